@@ -1,0 +1,1 @@
+"""Runtime oracles shared by tests, benchmarks and `etfold report`."""

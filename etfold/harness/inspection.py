@@ -1,0 +1,71 @@
+"""Read what a lowering produced: delegates, ops left outside, TOSA operators, sizes."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from executorch.exir.lowered_backend_module import LoweredBackendModule
+from torch.export import ExportedProgram
+
+_DELEGATE_CALL = torch.ops.higher_order.executorch_call_delegate
+
+
+def _graph_module(program) -> torch.fx.GraphModule:
+    if isinstance(program, ExportedProgram):
+        return program.graph_module
+    if isinstance(program, torch.fx.GraphModule):
+        return program
+    raise TypeError(f"expected an ExportedProgram or GraphModule, got {type(program).__name__}")
+
+
+def op_name(target) -> str:
+    """A stable, readable name for a call_function target (`aten.add.Tensor`)."""
+    name = getattr(target, "_name", None) or getattr(target, "__name__", None) or str(target)
+    if "::" in name:
+        namespace, rest = name.split("::", 1)
+        return f"{namespace}.{rest}" if "." in rest else f"{namespace}.{rest}.default"
+    return name
+
+
+def lowered_modules(program) -> list[LoweredBackendModule]:
+    graph_module = _graph_module(program)
+    return [
+        getattr(graph_module, node.args[0].target)
+        for node in graph_module.graph.nodes
+        if node.op == "call_function" and node.target is _DELEGATE_CALL
+    ]
+
+
+def delegate_count(program) -> int:
+    return len(lowered_modules(program))
+
+
+def ops_outside_delegates(program) -> Counter[str]:
+    """call_function targets left at top level, excluding delegate calls and getitem."""
+    graph_module = _graph_module(program)
+    counts: Counter[str] = Counter()
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function" or node.target is _DELEGATE_CALL:
+            continue
+        if node.target.__name__ == "getitem":
+            continue
+        counts[op_name(node.target)] += 1
+    return counts
+
+
+def tosa_operator_counts(tosa_graph: bytes) -> Counter[str]:
+    """TOSA operators by kind (`CONV2D`, `RESCALE`, …), read from the flatbuffer."""
+    from tosa.Op import Op
+    from tosa.TosaGraph import TosaGraph
+
+    names = {value: name for name, value in vars(Op).items() if not name.startswith("_")}
+    graph = TosaGraph.GetRootAs(tosa_graph, 0)
+    counts: Counter[str] = Counter()
+    for r in range(graph.RegionsLength()):
+        region = graph.Regions(r)
+        for b in range(region.BlocksLength()):
+            block = region.Blocks(b)
+            for o in range(block.OperatorsLength()):
+                counts[names[block.Operators(o).Op()]] += 1
+    return counts

@@ -1,0 +1,216 @@
+"""Quantize for TOSA, lower with the Arm backend, and run on `tosa_reference_model`.
+
+The top-level edge graph is interpreted op by op; each TOSA delegate call is
+replaced by a run of its serialized graph on the reference model, so the
+quantize/dequantize around the delegate execute exactly as they would on target.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from executorch.exir import EdgeProgramManager
+from executorch.exir import to_edge_transform_and_lower as upstream_to_edge_transform_and_lower
+from torch.export import ExportedProgram
+
+from etfold.harness.inspection import (
+    delegate_count,
+    lowered_modules,
+    ops_outside_delegates,
+    tosa_operator_counts,
+)
+
+INT = "TOSA-1.0+INT"
+FP = "TOSA-1.0+FP"
+
+_DELEGATE_CALL = torch.ops.higher_order.executorch_call_delegate
+
+
+def compile_spec(profile: str):
+    from executorch.backends.arm.tosa.compile_spec import TosaCompileSpec
+
+    return TosaCompileSpec(profile)
+
+
+def tosa_quantizer(profile: str = INT):
+    """Symmetric int8 activations, per-channel weights: the configuration users ship."""
+    from executorch.backends.arm.quantizer import TOSAQuantizer, get_symmetric_quantization_config
+
+    quantizer = TOSAQuantizer(compile_spec(profile))
+    quantizer.set_global(get_symmetric_quantization_config(is_per_channel=True))
+    return quantizer
+
+
+def quantize_for_tosa(
+    module: torch.nn.Module,
+    inputs: tuple,
+    *,
+    calibration: Iterable[tuple] = (),
+    profile: str = INT,
+) -> ExportedProgram:
+    """export → prepare_pt2e (runs the Arm annotation pipeline) → calibrate → convert → export."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    exported = torch.export.export(module.eval(), inputs)
+    # Arm's scalar handling rejects the `_guards_fn` submodule that module() keeps by default.
+    prepared = prepare_pt2e(exported.module(check_guards=False), tosa_quantizer(profile))
+    with torch.no_grad():
+        prepared(*inputs)
+        for sample in calibration:
+            prepared(*sample)
+    converted = convert_pt2e(prepared)
+    return torch.export.export(converted, inputs)
+
+
+@dataclass(frozen=True)
+class TosaResult:
+    outputs: list[torch.Tensor]  # the program's outputs (dequantized for INT)
+    codes: list[torch.Tensor]  # every delegate's raw outputs, in call order (int8 codes for INT)
+
+
+def _to_reference_array(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes in its own dim order, as TOSA lays them out."""
+    order = tensor.dim_order()
+    return tensor.permute(order).contiguous().numpy()
+
+
+def _from_reference_array(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    order = like.dim_order()
+    physical = [like.shape[d] for d in order]
+    restored = torch.from_numpy(np.ascontiguousarray(array).reshape(physical))
+    inverse = [order.index(d) for d in range(len(order))]
+    return restored.permute(inverse)
+
+
+def run_tosa_graph(tosa_graph: bytes, inputs: Sequence[torch.Tensor], output_like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    import tosa_reference_model
+
+    arrays, status = tosa_reference_model.run(
+        tosa_graph,
+        [_to_reference_array(t) for t in inputs],
+        verbosity="NONE",
+        initialize_variable_tensor_from_numpy=True,
+    )
+    if status != tosa_reference_model.GraphStatus.TOSA_VALID:
+        raise RuntimeError(f"tosa_reference_model rejected the graph: {status}")
+    return [_from_reference_array(a, like) for a, like in zip(arrays, output_like, strict=True)]
+
+
+class _ReferenceModelInterpreter(torch.fx.Interpreter):
+    """Runs a lowered graph module, executing TOSA delegates on the reference model."""
+
+    def __init__(self, graph_module: torch.fx.GraphModule):
+        super().__init__(graph_module)
+        self.codes: list[torch.Tensor] = []
+        self.delegates_run = 0
+
+    def call_function(self, target, args, kwargs):
+        if target is not _DELEGATE_CALL:
+            return super().call_function(target, args, kwargs)
+        lowered, *delegate_inputs = args
+        if lowered.backend_id != "TOSABackend":
+            raise RuntimeError(f"not a TOSA delegate: {lowered.backend_id}")
+        output_node = lowered.original_module.graph.output_node()
+        output_like = [n.meta["val"] for n in output_node.args[0]]
+        outputs = run_tosa_graph(lowered.processed_bytes, delegate_inputs, output_like)
+        self.codes.extend(outputs)
+        self.delegates_run += 1
+        return tuple(outputs)
+
+
+@dataclass
+class TosaProgram:
+    edge: EdgeProgramManager
+    profile: str
+
+    @property
+    def exported_program(self) -> ExportedProgram:
+        return self.edge.exported_program()
+
+    @property
+    def tosa_graphs(self) -> list[bytes]:
+        return [m.processed_bytes for m in lowered_modules(self.exported_program)]
+
+    def run(self, *inputs: torch.Tensor) -> TosaResult:
+        graph_module = self.exported_program.module(check_guards=False)
+        interpreter = _ReferenceModelInterpreter(graph_module)
+        with torch.no_grad():
+            out = interpreter.run(*inputs)
+        if interpreter.delegates_run == 0:
+            raise RuntimeError("the program has no TOSA delegate: nothing ran on the reference model")
+        outputs = [out] if isinstance(out, torch.Tensor) else list(out)
+        return TosaResult(outputs=outputs, codes=interpreter.codes)
+
+    def operator_counts(self) -> Counter[str]:
+        total: Counter[str] = Counter()
+        for graph in self.tosa_graphs:
+            total += tosa_operator_counts(graph)
+        return total
+
+    def delegates(self) -> int:
+        return delegate_count(self.exported_program)
+
+    def ops_outside(self) -> Counter[str]:
+        return ops_outside_delegates(self.exported_program)
+
+    def dump(self, directory: Path) -> list[Path]:
+        directory.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for index, graph in enumerate(self.tosa_graphs):
+            path = directory / f"delegate_{index}.tosa"
+            path.write_bytes(graph)
+            paths.append(path)
+        return paths
+
+
+def lower_tosa(
+    program: ExportedProgram,
+    profile: str = INT,
+    *,
+    lower: Callable[..., EdgeProgramManager] = upstream_to_edge_transform_and_lower,
+    compile_config=None,
+) -> TosaProgram:
+    from executorch.backends.arm.tosa.partitioner import TOSAPartitioner
+
+    edge = lower(program, partitioner=[TOSAPartitioner(compile_spec(profile))], compile_config=compile_config)
+    return TosaProgram(edge, profile)
+
+
+def lower_module_tosa(
+    module: torch.nn.Module,
+    inputs: tuple,
+    profile: str = INT,
+    *,
+    calibration: Iterable[tuple] = (),
+    **lower_kwargs,
+) -> tuple[TosaProgram, list[torch.Tensor]]:
+    """Quantize (INT) or export (FP) `module`, lower it, and return it with eager outputs.
+
+    The eager reference comes from a deep copy taken before lowering: stock Arm
+    lowering can write into the user's module.
+    """
+    module = module.eval()
+    with torch.no_grad():
+        out = copy.deepcopy(module)(*inputs)
+    reference = [out] if isinstance(out, torch.Tensor) else list(out)
+    if profile == INT:
+        program = quantize_for_tosa(module, inputs, calibration=calibration, profile=profile)
+    else:
+        program = torch.export.export(module, inputs)
+    return lower_tosa(program, profile, **lower_kwargs), reference
+
+
+def output_scales(program: TosaProgram) -> list[float | None]:
+    """Per program output: the scale of the dequantize producing it (one LSB), if any."""
+    graph = program.exported_program.graph
+    scales: list[float | None] = []
+    for node in graph.output_node().args[0]:
+        is_dequant = node.op == "call_function" and "dequantize_per_tensor" in str(node.target)
+        scales.append(float(node.args[1]) if is_dequant else None)
+    return scales

@@ -1,0 +1,127 @@
+"""Lower to XNNPACK, serialize, and run on the runtime shipped in the executorch wheel."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from executorch.exir import EdgeProgramManager, ExecutorchProgramManager
+from executorch.exir import to_edge_transform_and_lower as upstream_to_edge_transform_and_lower
+from torch.export import ExportedProgram
+
+from etfold.harness.inspection import delegate_count, ops_outside_delegates
+
+Programs = ExportedProgram | Mapping[str, ExportedProgram]
+
+
+def default_partitioners() -> list:
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    return [XnnpackPartitioner()]
+
+
+@dataclass
+class XnnpackProgram:
+    """A lowered, serialized program and the runtime module loaded from its buffer.
+
+    The runtime keeps a pointer into `executorch.buffer`, so this object owns both.
+    """
+
+    edge: EdgeProgramManager
+    executorch: ExecutorchProgramManager
+    _runtime: Any = field(repr=False)
+
+    def run(self, *inputs: torch.Tensor, method: str = "forward") -> list[torch.Tensor]:
+        return list(self._runtime.run_method(method, tuple(inputs)))
+
+    @property
+    def pte_bytes(self) -> int:
+        return len(self.executorch.buffer)
+
+    def delegates(self, method: str = "forward") -> int:
+        return delegate_count(self.edge.exported_program(method))
+
+    def ops_outside(self, method: str = "forward") -> Counter[str]:
+        return ops_outside_delegates(self.edge.exported_program(method))
+
+
+def load_program(executorch: ExecutorchProgramManager) -> Any:
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+
+    return _load_for_executorch_from_buffer(executorch.buffer)
+
+
+def lower_xnnpack(
+    programs: Programs,
+    partitioners: Sequence | None = None,
+    *,
+    lower: Callable[..., EdgeProgramManager] = upstream_to_edge_transform_and_lower,
+    compile_config=None,
+    executorch_config=None,
+) -> XnnpackProgram:
+    """`lower(programs, partitioner=…)` → `to_executorch` → runtime module."""
+    edge = lower(
+        programs if isinstance(programs, ExportedProgram) else dict(programs),
+        partitioner=list(partitioners) if partitioners is not None else default_partitioners(),
+        compile_config=compile_config,
+    )
+    executorch = edge.to_executorch(executorch_config) if executorch_config else edge.to_executorch()
+    return XnnpackProgram(edge, executorch, load_program(executorch))
+
+
+def export_method(module: torch.nn.Module, method: str, inputs: tuple) -> ExportedProgram:
+    """Export one method of `module` (forward or any other) as its own program."""
+    if method == "forward":
+        return torch.export.export(module, inputs)
+
+    class _Method(torch.nn.Module):
+        def __init__(self, owner: torch.nn.Module):
+            super().__init__()
+            self.owner = owner
+
+        def forward(self, *args):
+            return getattr(self.owner, method)(*args)
+
+    return torch.export.export(_Method(module), inputs)
+
+
+def eager_outputs(module: torch.nn.Module, inputs: tuple, method: str = "forward") -> list[torch.Tensor]:
+    """Eager outputs from a deep copy, so lowering can never influence the reference."""
+    with torch.no_grad():
+        out = getattr(copy.deepcopy(module), method)(*inputs)
+    return [out] if isinstance(out, torch.Tensor) else list(out)
+
+
+def lower_module_xnnpack(
+    module: torch.nn.Module,
+    inputs: tuple,
+    partitioners: Sequence | None = None,
+    **lower_kwargs,
+) -> tuple[XnnpackProgram, list[torch.Tensor]]:
+    """Export `module.forward`, lower and load it; return it with the eager reference."""
+    module = module.eval()
+    reference = eager_outputs(module, inputs)
+    program = lower_xnnpack(export_method(module, "forward", inputs), partitioners, **lower_kwargs)
+    return program, reference
+
+
+def max_abs_error(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> float:
+    if len(actual) != len(expected):
+        raise AssertionError(f"{len(actual)} outputs, expected {len(expected)}")
+    worst = 0.0
+    for a, e in zip(actual, expected, strict=True):
+        if a.shape != e.shape:
+            raise AssertionError(f"output shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+        diff = (a.double() - e.double()).abs()
+        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+    return worst
+
+
+def assert_close(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor], *, atol: float, rtol: float = 0.0) -> None:
+    assert len(actual) == len(expected), f"{len(actual)} outputs, expected {len(expected)}"
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, atol=atol, rtol=rtol, check_dtype=False)
