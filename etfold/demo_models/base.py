@@ -1,0 +1,27 @@
+"""What a built-in report model declares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+Built = tuple[torch.nn.Module, tuple[torch.Tensor, ...]]
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """A model `etfold report` lowers with stock ExecuTorch and with etfold.
+
+    `build` returns a module with random weights (seeded inside, from a config
+    written in code) and its example inputs. `backend` is "xnnpack" or "arm"
+    (Arm models are quantized for TOSA-1.0+INT and run on the reference model).
+    `calibration` returns extra calibration samples for Arm models.
+    """
+
+    name: str
+    backend: str
+    build: Callable[[], Built]
+    description: str
+    calibration: Callable[[], list[tuple[torch.Tensor, ...]]] = field(default=lambda: [])
