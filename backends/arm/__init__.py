@@ -1,9 +1,21 @@
 """etfold's Arm folds. Nothing is registered until `register_arm_folds()` is called."""
 
 from etfold.backends.arm.registration import (
+    ARM_PASS_INSERTIONS,
+    ArmPassInsertion,
+    ArmRegistrationError,
     arm_folds_registered,
+    arm_folds_registered_now,
     register_arm_folds,
     unregister_arm_folds,
 )
 
-__all__ = ["arm_folds_registered", "register_arm_folds", "unregister_arm_folds"]
+__all__ = [
+    "ARM_PASS_INSERTIONS",
+    "ArmPassInsertion",
+    "ArmRegistrationError",
+    "arm_folds_registered",
+    "arm_folds_registered_now",
+    "register_arm_folds",
+    "unregister_arm_folds",
+]

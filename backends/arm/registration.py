@@ -1,36 +1,286 @@
 """How etfold's Arm passes enter ArmPassManager pipelines.
 
 Nothing is registered on import: `register_arm_folds()` installs, and
-`unregister_arm_folds()` restores upstream exactly. The scalar-mul issue fills
-in the installation; the DyT issue adds its passes to it.
+`unregister_arm_folds()` restores upstream exactly.
+
+Extension point: `ARM_PASS_INSERTIONS`. Each entry says which pass to build,
+next to which upstream pass (by class name in `executorch.backends.arm._passes`)
+it goes, before or after it, and in which pipeline:
+
+- "backend": `ArmPassManager._tosa_pipeline` (edge → TOSA). Entries reach it
+  through upstream's insertion registry (`register_pass_insertions_before/after`).
+  The registry holds instances, so the factory is called once, at registration;
+  a pass that needs the ExportedProgram declares an `exported_program`
+  attribute, which upstream's adapter fills in for each run.
+- "annotation": `ArmPassManager.transform_for_annotation_pipeline` (before
+  calibration). The registry does not reach it (that pipeline never applies
+  insertions), so entries enter through the one substitution below. The factory
+  is called each time the pipeline is built.
+
+Entries with the same anchor and position run in tuple order.
+
+Retired upstream passes (`RETIRED_UPSTREAM_PASSES`) are dropped from both
+pipelines while registered.
+
+The substitution: while registered, `ArmPassManager.add_pass` is wrapped. The
+wrapper drops retired passes and, for passes added with `tfa_pass=True`,
+inserts the "annotation" entries next to their anchor. Registration checks
+upstream's shape first (classes, registry functions, the annotation anchors
+really being added) and raises `ArmRegistrationError` if anything moved.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
 
-_registered = False
+UPSTREAM_PASSES_MODULE = "executorch.backends.arm._passes"
+UPSTREAM_PASS_MANAGER_MODULE = "executorch.backends.arm._passes.arm_pass_manager"
+
+Position = Literal["before", "after"]
+Pipeline = Literal["backend", "annotation"]
+
+
+class ArmRegistrationError(RuntimeError):
+    """Upstream ExecuTorch no longer has the shape etfold's registration relies on."""
+
+
+@dataclass(frozen=True)
+class LazyPass:
+    """Builds `module:Class(**kwargs)` when called; importing stays cheap until then."""
+
+    path: str
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+    def __call__(self):
+        module_name, _, class_name = self.path.partition(":")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        return cls(**dict(self.kwargs))
+
+
+def lazy_pass(path: str, **kwargs: Any) -> LazyPass:
+    return LazyPass(path, tuple(sorted(kwargs.items())))
+
+
+@dataclass(frozen=True)
+class ArmPassInsertion:
+    """One etfold pass placed next to an upstream Arm pass."""
+
+    fold: str  # stable id, as recorded in etfold.decisions
+    factory: Callable[[], Any]  # returns the pass instance
+    anchor: str  # upstream pass class name in executorch.backends.arm._passes
+    position: Position
+    pipeline: Pipeline
+
+
+_SCALAR_MUL = "etfold.backends.arm._passes.fold_scalar_mul_into_conv_pass:FoldScalarMulIntoConvPass"
+
+# The one place to add an etfold Arm pass.
+ARM_PASS_INSERTIONS: tuple[ArmPassInsertion, ...] = (
+    # upstream runs its scalar-mul fold in both pipelines; ours takes exactly its slots
+    ArmPassInsertion(
+        "arm.scalar_mul_into_conv",
+        lazy_pass(_SCALAR_MUL, tfa_pass=True),
+        anchor="FoldScalarMulIntoConvPass",
+        position="before",
+        pipeline="annotation",
+    ),
+    ArmPassInsertion(
+        "arm.scalar_mul_into_conv",
+        lazy_pass(_SCALAR_MUL),
+        anchor="RewriteConvPass",
+        position="before",
+        pipeline="backend",
+    ),
+)
+
+# Upstream passes that must not run while etfold's folds are registered.
+RETIRED_UPSTREAM_PASSES: tuple[str, ...] = ("FoldScalarMulIntoConvPass",)
+
+
+@dataclass
+class _Installed:
+    original_add_pass: Callable
+    registry_entries: list[tuple[type, Position, Any]]  # (anchor type, position, instance)
+    created_registry_keys: list[type]
+
+
+_installed: _Installed | None = None
+
+
+def _upstream_pass_class(name: str) -> type:
+    module = importlib.import_module(UPSTREAM_PASSES_MODULE)
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type):
+        raise ArmRegistrationError(
+            f"{UPSTREAM_PASSES_MODULE}.{name} is gone: etfold's Arm registration anchors on it "
+            "(see etfold.backends.arm.registration.ARM_PASS_INSERTIONS)"
+        )
+    return cls
+
+
+def _pass_manager_module():
+    module = importlib.import_module(UPSTREAM_PASS_MANAGER_MODULE)
+    needed = (
+        "ArmPassManager",
+        "register_pass_insertions_before",
+        "register_pass_insertions_after",
+        "_registered_pass_insertions",
+    )
+    missing = [name for name in needed if not hasattr(module, name)]
+    manager = getattr(module, "ArmPassManager", None)
+    for method in ("add_pass", "transform_for_annotation_pipeline", "_configure_pass_insertions"):
+        if manager is not None and not callable(getattr(manager, method, None)):
+            missing.append(f"ArmPassManager.{method}")
+    if missing:
+        raise ArmRegistrationError(
+            f"{UPSTREAM_PASS_MANAGER_MODULE} changed shape; missing: {missing}"
+        )
+    return module
+
+
+def _annotation_entries(position: Position) -> dict[type, list[ArmPassInsertion]]:
+    by_anchor: dict[type, list[ArmPassInsertion]] = {}
+    for entry in ARM_PASS_INSERTIONS:
+        if entry.pipeline == "annotation" and entry.position == position:
+            by_anchor.setdefault(_upstream_pass_class(entry.anchor), []).append(entry)
+    return by_anchor
+
+
+def _make_add_pass(original_add_pass: Callable, retired: tuple[type, ...]) -> Callable:
+    before = _annotation_entries("before")
+    after = _annotation_entries("after")
+
+    def add_pass(self, pipeline_pass):
+        # upstream builds the annotation pipeline from passes made with tfa_pass=True
+        in_annotation = bool(getattr(pipeline_pass, "is_tfa_pass", False))
+        anchor_type = type(pipeline_pass)
+        if in_annotation:
+            self.__dict__.setdefault("_etfold_annotation_anchors_seen", set()).add(
+                anchor_type.__name__
+            )
+            for entry in before.get(anchor_type, ()):
+                original_add_pass(self, entry.factory())
+        if anchor_type not in retired:
+            original_add_pass(self, pipeline_pass)
+        if in_annotation:
+            for entry in after.get(anchor_type, ()):
+                original_add_pass(self, entry.factory())
+
+    add_pass.__etfold_wrapped__ = original_add_pass  # type: ignore[attr-defined]
+    return add_pass
+
+
+def annotation_pipeline_pass_names(profile: str = "TOSA-1.0+INT") -> list[str]:
+    """The annotation pipeline as it is built now (run on an empty graph, which is cheap)."""
+    import torch
+    from executorch.backends.arm.tosa.compile_spec import TosaCompileSpec
+
+    manager = _pass_manager_module().ArmPassManager(TosaCompileSpec(profile))
+    empty = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    empty.graph.output(())
+    empty.recompile()
+    manager.transform_for_annotation_pipeline(empty)
+    return [type(p).__name__ for p in manager.passes]
+
+
+def _check_annotation_anchors() -> None:
+    wanted = {e.anchor for e in ARM_PASS_INSERTIONS if e.pipeline == "annotation"}
+    if not wanted:
+        return
+    from executorch.backends.arm.tosa.compile_spec import TosaCompileSpec
+
+    manager = _pass_manager_module().ArmPassManager(TosaCompileSpec("TOSA-1.0+INT"))
+    import torch
+
+    empty = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    empty.graph.output(())
+    empty.recompile()
+    manager.transform_for_annotation_pipeline(empty)
+    missing = sorted(wanted - manager.__dict__.get("_etfold_annotation_anchors_seen", set()))
+    if missing:
+        raise ArmRegistrationError(
+            f"ArmPassManager.transform_for_annotation_pipeline no longer adds {missing} (with tfa_pass=True); "
+            "etfold's annotation-pipeline passes anchor on them"
+        )
 
 
 def register_arm_folds() -> None:
-    global _registered
-    _registered = True
+    """Install etfold's Arm passes into both pipelines; calling it again changes nothing."""
+    global _installed
+    if _installed is not None:
+        return
+    module = _pass_manager_module()
+    manager_cls = module.ArmPassManager
+    if hasattr(manager_cls.add_pass, "__etfold_wrapped__"):
+        raise ArmRegistrationError(
+            "ArmPassManager.add_pass is already wrapped by another etfold install"
+        )
+    retired = tuple(_upstream_pass_class(name) for name in RETIRED_UPSTREAM_PASSES)
+    anchors = {e.anchor: _upstream_pass_class(e.anchor) for e in ARM_PASS_INSERTIONS}
+
+    original_add_pass = manager_cls.__dict__.get("add_pass")
+    if original_add_pass is None:
+        raise ArmRegistrationError("ArmPassManager no longer defines add_pass itself")
+    manager_cls.add_pass = _make_add_pass(original_add_pass, retired)
+    try:
+        _check_annotation_anchors()
+    except BaseException:
+        manager_cls.add_pass = original_add_pass
+        raise
+
+    registry = module._registered_pass_insertions
+    created = [
+        anchors[e.anchor]
+        for e in ARM_PASS_INSERTIONS
+        if e.pipeline == "backend" and anchors[e.anchor] not in registry
+    ]
+    entries: list[tuple[type, Position, Any]] = []
+    for entry in ARM_PASS_INSERTIONS:
+        if entry.pipeline != "backend":
+            continue
+        instance = entry.factory()
+        anchor_type = anchors[entry.anchor]
+        if entry.position == "before":
+            module.register_pass_insertions_before(anchor_type, [instance])
+        else:
+            module.register_pass_insertions_after(anchor_type, [instance])
+        entries.append((anchor_type, entry.position, instance))
+    _installed = _Installed(original_add_pass, entries, list(dict.fromkeys(created)))
 
 
 def unregister_arm_folds() -> None:
-    global _registered
-    _registered = False
+    """Restore upstream exactly: the original add_pass, and the registry without etfold's passes."""
+    global _installed
+    if _installed is None:
+        return
+    module = importlib.import_module(UPSTREAM_PASS_MANAGER_MODULE)
+    module.ArmPassManager.add_pass = _installed.original_add_pass
+    registry = module._registered_pass_insertions
+    for anchor_type, position, instance in _installed.registry_entries:
+        insertions = registry.get(anchor_type)
+        if insertions is None:
+            continue
+        passes = insertions.before_passes if position == "before" else insertions.after_passes
+        passes[:] = [p for p in passes if p is not instance]
+    for anchor_type in _installed.created_registry_keys:
+        insertions = registry.get(anchor_type)
+        if insertions is not None and not insertions.before_passes and not insertions.after_passes:
+            del registry[anchor_type]
+    _installed = None
 
 
 def arm_folds_registered_now() -> bool:
-    return _registered
+    return _installed is not None
 
 
 @contextlib.contextmanager
 def arm_folds_registered() -> Iterator[None]:
     """Register for the block; leave registration as it was afterwards."""
-    was_registered = _registered
+    was_registered = arm_folds_registered_now()
     register_arm_folds()
     try:
         yield
