@@ -28,6 +28,21 @@ class Mlp(torch.nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
+class DepthwiseSeparable(torch.nn.Module):
+    def __init__(self, channels: int = 32):
+        super().__init__()
+        self.depthwise = torch.nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+        self.pointwise = torch.nn.Conv2d(channels, 2 * channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.hardswish(self.pointwise(self.depthwise(x)))
+
+
+def _depthwise_separable():
+    torch.manual_seed(0)
+    return DepthwiseSeparable().eval(), (torch.randn(1, 32, 28, 28),)
+
+
 def _conv_block():
     torch.manual_seed(0)
     return ConvBlock().eval(), (torch.randn(1, 3, 32, 32),)
@@ -46,5 +61,6 @@ def _conv_block_small():
 MODELS = [
     DemoModel("conv_block", "xnnpack", _conv_block, "conv-relu-conv, nothing to fold"),
     DemoModel("mlp", "xnnpack", _mlp, "linear-gelu-linear, nothing to fold"),
+    DemoModel("depthwise_separable", "xnnpack", _depthwise_separable, "depthwise + pointwise conv, nothing to fold"),
     DemoModel("conv_block_int8", "arm", _conv_block_small, "conv-relu-conv on TOSA INT, nothing to fold"),
 ]

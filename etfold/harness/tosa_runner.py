@@ -7,7 +7,10 @@ quantize/dequantize around the delegate execute exactly as they would on target.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -68,6 +71,14 @@ def quantize_for_tosa(
     return torch.export.export(converted, inputs)
 
 
+def run_exported(program: ExportedProgram, inputs: tuple) -> list[torch.Tensor]:
+    """Run an exported program in torch: for a quantized program, the fake-quantized
+    eager reference that an integer lowering should match to within one LSB."""
+    with torch.no_grad():
+        out = program.module(check_guards=False)(*inputs)
+    return [out] if isinstance(out, torch.Tensor) else list(out)
+
+
 @dataclass(frozen=True)
 class TosaResult:
     outputs: list[torch.Tensor]  # the program's outputs (dequantized for INT)
@@ -88,15 +99,30 @@ def _from_reference_array(array: np.ndarray, like: torch.Tensor) -> torch.Tensor
     return restored.permute(inverse)
 
 
+@contextlib.contextmanager
+def _native_stdout_silenced():
+    """The reference model prints version notices on C-level stdout; keep them out of ours."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as devnull:
+            os.dup2(devnull.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def run_tosa_graph(tosa_graph: bytes, inputs: Sequence[torch.Tensor], output_like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     import tosa_reference_model
 
-    arrays, status = tosa_reference_model.run(
-        tosa_graph,
-        [_to_reference_array(t) for t in inputs],
-        verbosity="NONE",
-        initialize_variable_tensor_from_numpy=True,
-    )
+    with _native_stdout_silenced():
+        arrays, status = tosa_reference_model.run(
+            tosa_graph,
+            [_to_reference_array(t) for t in inputs],
+            verbosity="NONE",
+            initialize_variable_tensor_from_numpy=True,
+        )
     if status != tosa_reference_model.GraphStatus.TOSA_VALID:
         raise RuntimeError(f"tosa_reference_model rejected the graph: {status}")
     return [_from_reference_array(a, like) for a, like in zip(arrays, output_like, strict=True)]

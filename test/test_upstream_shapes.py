@@ -1,0 +1,50 @@
+"""The upstream shapes etfold plugs into. An ExecuTorch upgrade that moves any of
+them fails here, in one place, instead of deep inside a fold."""
+
+import inspect
+
+import executorch
+import executorch.version
+
+
+def test_executorch_is_the_pinned_release():
+    assert executorch.version.__version__.split("+")[0] == "1.5.1"
+
+
+def test_partitioner_has_the_pre_decomposition_hook():
+    from executorch.exir.backend.partitioner import Partitioner
+
+    params = list(inspect.signature(Partitioner.transform_for_pre_decomposition).parameters)
+    assert params == ["self", "exported_program"]
+
+
+def test_to_edge_transform_and_lower_calls_the_hook():
+    from executorch.exir.program import _program
+
+    assert "transform_for_pre_decomposition" in inspect.getsource(_program)
+
+
+def test_arm_pass_insertion_registry():
+    from executorch.backends.arm._passes import arm_pass_manager as apm
+
+    for name in ("register_pass_insertions_before", "register_pass_insertions_after"):
+        params = list(inspect.signature(getattr(apm, name)).parameters)
+        assert params == ["target_pass_type", "passes"], name
+    assert isinstance(apm._registered_pass_insertions, dict)
+    assert hasattr(apm.ArmPassManager, "_configure_pass_insertions")
+    assert hasattr(apm.ArmPassManager, "transform_for_annotation_pipeline")
+
+
+def test_xnnpack_node_visitor_registry():
+    from executorch.backends.xnnpack.operators import node_visitor
+
+    assert isinstance(node_visitor._node_visitor_dict, dict)
+    assert callable(node_visitor.register_node_visitor)
+    assert callable(node_visitor.get_node_visitors)
+
+
+def test_xnnpack_partitioner_constructor():
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    params = list(inspect.signature(XnnpackPartitioner.__init__).parameters)
+    assert params[:5] == ["self", "configs", "config_precisions", "per_op_mode", "verbose"]
