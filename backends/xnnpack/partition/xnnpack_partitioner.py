@@ -12,6 +12,9 @@ from __future__ import annotations
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
     XnnpackPartitioner as UpstreamXnnpackPartitioner,
 )
+from torch.export import ExportedProgram
+
+from etfold.backends.xnnpack.partition.weight_fold import fold_gemm_weights, seed_slots
 
 
 class XnnpackPartitioner(UpstreamXnnpackPartitioner):
@@ -29,3 +32,13 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         super().__init__(configs, config_precisions, per_op_mode, verbose, **kwargs)
         self.fold_weights = fold_weights
         self.delegate_dtype_converts = delegate_dtype_converts
+
+    # ---- weight fold (issue 4): parameter-only GEMM weights become static before partitioning
+    def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
+        exported_program = super().transform_for_pre_decomposition(exported_program)
+        if not self.fold_weights:
+            return exported_program
+        slots = seed_slots(self.target_partitioner_configs.values())
+        return fold_gemm_weights(exported_program, slots)
+
+    # ---- end weight fold

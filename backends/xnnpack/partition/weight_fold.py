@@ -1,0 +1,508 @@
+"""Fold parameter-only GEMM weight subgraphs so XNNPACK sees static weights.
+
+    gemm(x, f(p1, …, pn), g(q1, …))      p, q parameters / proven-safe buffers / lifted constants
+      -> gemm(x, W', b')                  W' = f(p1, …, pn), b' = g(q1, …) computed once at export
+
+XNNPACK's GEMM configs (linear, convolution, addmm, mm) take a weight only when
+it is a static parameter. weight_norm, spectral_norm and every other
+`torch.nn.utils.parametrize` parametrization compute the weight in the graph,
+so stock ExecuTorch runs those convs and linears on portable kernels.
+
+Seeds are only the weight and bias arguments of the ops the enabled GEMM
+configs partition; a parameter-only expression anywhere else stays an op. From
+each seed an explicit stack walks back through constant-only producers; the
+whole closure folds or the seed declines with the first reason found. Closures
+that share a source are one group, applied only when the tensors it
+materializes take no more bytes than the sources it erases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from executorch.backends.xnnpack.partition.config.gemm_configs import (
+    AddmmConfig,
+    ConvolutionConfig,
+    LinearConfig,
+    MMConfig,
+)
+from executorch.backends.xnnpack.partition.config.xnnpack_config import ConfigPrecisionType
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from etfold.decisions import Declined, record_applied, record_declined
+from etfold.exir.program.buffer_marks import BUFFER_FOLD_BLOCKERS, state_writes
+
+FOLD = "xnnpack.fold_gemm_weight"
+SHARED_ACROSS_METHODS = "shared_across_methods"
+# placeholder meta that a retrace drops and the fold still needs
+_CARRIED_MARKS = (SHARED_ACROSS_METHODS, BUFFER_FOLD_BLOCKERS)
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class GemmSlots:
+    """Where a GEMM op takes its weight and bias (bias None: the op has none)."""
+
+    weight: int
+    bias: int | None
+    weight_rank: int | None = None  # only seed when the weight has this rank
+
+
+_CONV_OPS = (
+    aten.conv1d,
+    aten.conv2d,
+    aten.conv3d,
+    aten.conv_transpose1d,
+    aten.conv_transpose2d,
+    aten.conv_transpose3d,
+    aten.convolution,
+    aten._convolution,
+)
+
+# pre-decomposition ATen ops that decompose to what each upstream GEMM config partitions
+_SLOTS_BY_CONFIG: dict[type, dict[torch._ops.OpOverloadPacket, GemmSlots]] = {
+    LinearConfig: {aten.linear: GemmSlots(1, 2)},
+    ConvolutionConfig: {op: GemmSlots(1, 2) for op in _CONV_OPS},
+    AddmmConfig: {aten.addmm: GemmSlots(2, 0)},
+    MMConfig: {aten.mm: GemmSlots(1, None), aten.matmul: GemmSlots(1, None, weight_rank=2)},
+}
+
+_FILL_FACTORIES = frozenset(
+    {
+        aten.full,
+        aten.new_full,
+        aten.ones,
+        aten.new_ones,
+        aten.zeros,
+        aten.new_zeros,
+        aten.full_like,
+        aten.ones_like,
+        aten.zeros_like,
+    }
+)
+_QUANTIZATION_NAMESPACES = frozenset({"quantized_decomposed", "torchao"})
+_STATE_KINDS = {
+    InputKind.PARAMETER: "parameter",
+    InputKind.BUFFER: "buffer",
+    InputKind.CONSTANT_TENSOR: "constant",
+}
+
+
+def seed_slots(configs: Iterable) -> dict[torch._ops.OpOverloadPacket, GemmSlots]:
+    """GEMM ops whose weights are worth folding under these partitioner configs.
+
+    A config counts when it partitions fp32 and requires static fp32 weights
+    (`force_non_static_weights_for_f32_linear` asks for the weight to stay an input).
+    """
+    slots: dict[torch._ops.OpOverloadPacket, GemmSlots] = {}
+    for config in configs:
+        for config_type, ops in _SLOTS_BY_CONFIG.items():
+            if type(config) is not config_type:
+                continue
+            if ConfigPrecisionType.FP32 not in config.enabled_precision_types:
+                continue
+            if (
+                config_type is not ConvolutionConfig
+                and config.force_non_static_weights_for_f32_linear
+            ):
+                continue
+            slots.update(ops)
+    return slots
+
+
+@dataclass(frozen=True)
+class Seed:
+    gemm: torch.fx.Node
+    position: str  # "weight" or "bias"
+    value: torch.fx.Node
+
+    @property
+    def where(self) -> str:
+        return f"{self.gemm.name}.{self.position}"
+
+
+@dataclass(frozen=True)
+class Closure:
+    """Everything a seed is computed from: ops to fold and the placeholders they read."""
+
+    seed: Seed
+    nodes: frozenset[torch.fx.Node]
+    sources: frozenset[torch.fx.Node]
+
+
+@dataclass(frozen=True)
+class FoldGroup:
+    """Closures sharing a source or an op; they fold together or not at all."""
+
+    closures: tuple[Closure, ...]
+    nodes: frozenset[torch.fx.Node]
+    added_bytes: int
+    erased_bytes: int
+    reads_buffers: bool
+
+
+@dataclass(frozen=True)
+class WeightFoldPlan:
+    groups: tuple[FoldGroup, ...]
+    declined: tuple[tuple[Seed, str], ...]
+
+    @property
+    def nodes_to_fold(self) -> frozenset[torch.fx.Node]:
+        return frozenset().union(*(g.nodes for g in self.groups))
+
+
+# ---------------------------------------------------------------- predicates
+
+
+def is_training_program(program: ExportedProgram) -> bool:
+    return program.graph_signature.backward_signature is not None
+
+
+def is_static_state(program: ExportedProgram, node: torch.fx.Node) -> bool:
+    return node.op == "placeholder" and _state_kind(program, node) is not None
+
+
+def is_fill_factory(node: torch.fx.Node) -> bool:
+    return _packet(node) in _FILL_FACTORIES
+
+
+def is_quantization_op(node: torch.fx.Node) -> bool:
+    return (
+        isinstance(node.target, torch._ops.OpOverload)
+        and node.target.namespace in _QUANTIZATION_NAMESPACES
+    )
+
+
+def is_impure(node: torch.fx.Node) -> bool:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and (
+        target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
+    ):
+        return True
+    return node.is_impure()
+
+
+def is_known_pure_target(node: torch.fx.Node) -> bool:
+    """OpOverloads (judged by their schema elsewhere) and Python's `operator` builtins."""
+    target = node.target
+    return (
+        isinstance(target, torch._ops.OpOverload)
+        or getattr(target, "__module__", None) == "_operator"
+    )
+
+
+def is_shared_across_methods(node: torch.fx.Node) -> bool:
+    return bool(node.meta.get(SHARED_ACROSS_METHODS, False))
+
+
+def buffer_blockers(node: torch.fx.Node) -> tuple[str, ...] | None:
+    """Reasons another method forbids folding this buffer; None when never judged."""
+    return node.meta.get(BUFFER_FOLD_BLOCKERS)
+
+
+def custom_meta_agrees(sources: Iterable[torch.fx.Node]) -> bool:
+    customs = [s.meta.get("custom") or {} for s in sources]
+    return all(c == customs[0] for c in customs[1:])
+
+
+def fits_size_budget(added_bytes: int, erased_bytes: int) -> bool:
+    return added_bytes <= erased_bytes
+
+
+# ---------------------------------------------------------------- match
+
+
+def _packet(node: torch.fx.Node):
+    target = node.target
+    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else None
+
+
+def _state_kind(program: ExportedProgram, node: torch.fx.Node) -> str | None:
+    for spec in program.graph_signature.input_specs:
+        if spec.arg.name == node.name:
+            return _STATE_KINDS.get(spec.kind)
+    return None
+
+
+def _rank(node: torch.fx.Node) -> int | None:
+    value = node.meta.get("val")
+    return value.dim() if isinstance(value, torch.Tensor) else None
+
+
+def find_seeds(program: ExportedProgram, slots: dict) -> list[Seed]:
+    """Weight and bias arguments of seedable GEMM ops that are not already static state."""
+    seeds: list[Seed] = []
+    for node in program.graph.nodes:
+        if node.op != "call_function" or _packet(node) not in slots:
+            continue
+        slot = slots[_packet(node)]
+        for position, index in (("weight", slot.weight), ("bias", slot.bias)):
+            if (
+                index is None
+                or index >= len(node.args)
+                or not isinstance(node.args[index], torch.fx.Node)
+            ):
+                continue
+            value = node.args[index]
+            if (
+                position == "weight"
+                and slot.weight_rank is not None
+                and _rank(value) != slot.weight_rank
+            ):
+                continue
+            if not is_static_state(program, value):
+                seeds.append(Seed(node, position, value))
+    return seeds
+
+
+def _source_verdict(
+    program: ExportedProgram,
+    node: torch.fx.Node,
+    written: dict[str, list[str]],
+    fqn_of: dict[str, str],
+) -> Declined | None:
+    kind = _state_kind(program, node)
+    if kind is None:
+        return Declined(f"computed from user input `{node.name}`")
+    fqn = fqn_of[node.name]
+    if is_shared_across_methods(node):
+        return Declined(f"`{fqn}` is read by several methods")
+    if fqn in written:
+        return Declined(
+            f"`{fqn}` is written in this method ({', '.join(sorted(set(written[fqn])))})"
+        )
+    if kind == "buffer":
+        blockers = buffer_blockers(node)
+        if blockers is None:
+            return Declined(
+                f"buffer `{fqn}` was not judged across methods (lower through "
+                "etfold.exir.to_edge_transform_and_lower to fold buffers)"
+            )
+        if blockers:
+            return Declined(f"buffer `{fqn}`: {'; '.join(blockers)}")
+    return None
+
+
+def _op_verdict(node: torch.fx.Node) -> Declined | None:
+    if node.op != "call_function":
+        return Declined(f"`{node.name}` is a {node.op} node")
+    if not is_known_pure_target(node):
+        return Declined(f"`{node.name}` calls {node.target}, which is not an ATen op")
+    if is_fill_factory(node):
+        return Declined(f"`{node.name}` is a fill factory ({_packet(node)}), kept as an op")
+    if is_quantization_op(node):
+        return Declined(
+            f"`{node.name}` is a quantization op ({node.target}); the Q/DQ chain stays as it came"
+        )
+    if is_impure(node):
+        return Declined(f"`{node.name}` ({node.target}) is impure or mutating")
+    return None
+
+
+def constant_closure(
+    program: ExportedProgram,
+    seed: Seed,
+    source_verdict: Callable[[torch.fx.Node], Declined | None],
+) -> Closure | Declined:
+    """Walk back from the seed with an explicit stack; every producer must be constant-only."""
+    nodes: set[torch.fx.Node] = set()
+    sources: set[torch.fx.Node] = set()
+    stack, seen = [seed.value], {seed.value}
+    while stack:
+        node = stack.pop()
+        if node.op == "placeholder":
+            verdict = source_verdict(node)
+            if verdict is not None:
+                return verdict
+            sources.add(node)
+            continue
+        verdict = _op_verdict(node)
+        if verdict is not None:
+            return verdict
+        nodes.add(node)
+        for producer in node.all_input_nodes:
+            if producer not in seen:
+                seen.add(producer)
+                stack.append(producer)
+    if not custom_meta_agrees(sorted(sources, key=lambda s: s.name)):
+        names = ", ".join(sorted(s.name for s in sources))
+        return Declined(f"sources {names} disagree on their `custom` meta (external-file tags)")
+    return Closure(seed, frozenset(nodes), frozenset(sources))
+
+
+def _is_tensor_value(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _value_bytes(node: torch.fx.Node) -> int | None:
+    value = node.meta.get("val")
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return None
+    return sum(v.numel() * v.element_size() for v in values)
+
+
+def _group_closures(closures: list[Closure]) -> list[list[Closure]]:
+    """Union closures that share a source placeholder or an op (explicit, no recursion)."""
+    parent = list(range(len(closures)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[torch.fx.Node, int] = {}
+    for i, closure in enumerate(closures):
+        for node in closure.nodes | closure.sources:
+            if node in owner:
+                parent[find(i)] = find(owner[node])
+            else:
+                owner[node] = i
+    groups: dict[int, list[Closure]] = {}
+    for i, closure in enumerate(closures):
+        groups.setdefault(find(i), []).append(closure)
+    return list(groups.values())
+
+
+def _measure_group(closures: list[Closure]) -> FoldGroup | Declined:
+    nodes = frozenset().union(*(c.nodes for c in closures))
+    sources = frozenset().union(*(c.sources for c in closures))
+    # a non-tensor result read outside the fold stays an op, and so does what it reads
+    kept = {n for n in nodes if not _is_tensor_value(n) and any(u not in nodes for u in n.users)}
+    stack = list(kept)
+    while stack:
+        for producer in stack.pop().all_input_nodes:
+            if producer in nodes and not _is_tensor_value(producer) and producer not in kept:
+                kept.add(producer)
+                stack.append(producer)
+    added = 0
+    for node in sorted(nodes - kept, key=lambda n: n.name):
+        if any(u not in nodes or u in kept for u in node.users):
+            size = _value_bytes(node)
+            if size is None:
+                return Declined(f"`{node.name}` has no known tensor size")
+            added += size
+    erased = 0
+    for source in sources:
+        if all(u in nodes and u not in kept for u in source.users):
+            erased += _value_bytes(source) or 0
+    return FoldGroup(
+        tuple(closures),
+        nodes,
+        added,
+        erased,
+        reads_buffers=any(BUFFER_FOLD_BLOCKERS in s.meta for s in sources),
+    )
+
+
+def plan_weight_folds(program: ExportedProgram, slots: dict) -> WeightFoldPlan:
+    """Match: which seeds fold (grouped) and why the others stay dynamic."""
+    written = state_writes(program)
+    fqn_of = {
+        spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.target
+    }
+    closures: list[Closure] = []
+    declined: list[tuple[Seed, str]] = []
+    for seed in find_seeds(program, slots):
+        found = constant_closure(
+            program, seed, lambda n: _source_verdict(program, n, written, fqn_of)
+        )
+        if isinstance(found, Declined):
+            declined.append((seed, found.reason))
+        else:
+            closures.append(found)
+    # a GEMM inside another seed's weight expression (orthogonal's matmul) folds with it
+    inner = frozenset().union(*(c.nodes for c in closures))
+    closures = [c for c in closures if c.seed.gemm not in inner]
+    declined = [(seed, reason) for seed, reason in declined if seed.gemm not in inner]
+    groups: list[FoldGroup] = []
+    for members in _group_closures(closures):
+        group = _measure_group(members)
+        if isinstance(group, FoldGroup) and not fits_size_budget(
+            group.added_bytes, group.erased_bytes
+        ):
+            group = Declined(
+                f"folding would add {group.added_bytes} bytes but erase only {group.erased_bytes} "
+                "(a source is also read outside the fold)"
+            )
+        if isinstance(group, Declined):
+            declined.extend((c.seed, group.reason) for c in members)
+        else:
+            groups.append(group)
+    return WeightFoldPlan(tuple(groups), tuple(declined))
+
+
+# ---------------------------------------------------------------- rewrite
+
+
+def _carry_marks(source: ExportedProgram, target: ExportedProgram) -> None:
+    """Copy placeholder marks a retrace drops, matched by FQN (the marks are per FQN)."""
+
+    def by_fqn(program: ExportedProgram) -> dict[str, torch.fx.Node]:
+        nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+        return {
+            s.target: nodes[s.arg.name]
+            for s in program.graph_signature.input_specs
+            if s.target is not None and s.arg.name in nodes
+        }
+
+    after = by_fqn(target)
+    for fqn, node in by_fqn(source).items():
+        for key in _CARRIED_MARKS:
+            if key in node.meta and fqn in after:
+                after[fqn].meta[key] = node.meta[key]
+
+
+def _record(plan: WeightFoldPlan) -> None:
+    for seed, reason in plan.declined:
+        record_declined(FOLD, seed.where, f"weight stays dynamic: {reason}")
+    for group in plan.groups:
+        for closure in group.closures:
+            sources = ", ".join(sorted(s.name for s in closure.sources)) or "no placeholder"
+            record_applied(
+                FOLD,
+                closure.seed.where,
+                f"{len(closure.nodes)} ops over {sources} folded "
+                f"(group adds {group.added_bytes} B, erases {group.erased_bytes} B)",
+            )
+
+
+def apply_weight_folds(program: ExportedProgram, plan: WeightFoldPlan) -> ExportedProgram:
+    """Rewrite: hand exactly the planned nodes to etfold's constant_prop_pass."""
+    from etfold.exir.passes.constant_prop_pass import constant_prop_pass
+
+    return constant_prop_pass(
+        program,
+        nodes_to_fold=set(plan.nodes_to_fold),
+        # buffers are only in the plan once proven unwritten and read by this method alone
+        fold_buffers=any(g.reads_buffers for g in plan.groups),
+        register_like_source=True,
+    )
+
+
+def fold_gemm_weights(program: ExportedProgram, slots: dict) -> ExportedProgram:
+    """The pre-decomposition hook body: the same object back unless something folds."""
+    if is_training_program(program):
+        record_declined(
+            FOLD, "program", "training program (backward signature): parameters stay trainable"
+        )
+        return program
+    if not slots:
+        return program
+    plan = plan_weight_folds(program, slots)
+    if not plan.groups:
+        _record(plan)
+        return program
+    # an in-place KV-cache write on a buffer must come out as a buffer mutation, not be folded away
+    functional = program.run_decompositions({})
+    _carry_marks(program, functional)
+    plan = plan_weight_folds(functional, slots)
+    _record(plan)
+    if not plan.groups:
+        return functional
+    return apply_weight_folds(functional, plan)
