@@ -11,5 +11,7 @@ def _packages_under(prefix: str, directory: str) -> list[str]:
 
 setup(
     package_dir=_ROOTS,
-    packages=[pkg for prefix, directory in _ROOTS.items() for pkg in _packages_under(prefix, directory)],
+    packages=[
+        pkg for prefix, directory in _ROOTS.items() for pkg in _packages_under(prefix, directory)
+    ],
 )

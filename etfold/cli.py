@@ -15,11 +15,17 @@ from etfold.demo_models import all_models
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="etfold")
     commands = parser.add_subparsers(dest="command", required=True)
-    rep = commands.add_parser("report", help="lower with stock ExecuTorch and with etfold, run both, compare")
+    rep = commands.add_parser(
+        "report", help="lower with stock ExecuTorch and with etfold, run both, compare"
+    )
     rep.add_argument("--backend", choices=["xnnpack", "arm"], help="only models for this backend")
     rep.add_argument("--model", action="append", help="a built-in model by name (repeatable)")
-    rep.add_argument("--program", help="a user's exported program (.pt2, saved with example inputs)")
-    rep.add_argument("--runs", type=int, default=5, help="timed runs per lowering, after one warm-up")
+    rep.add_argument(
+        "--program", help="a user's exported program (.pt2, saved with example inputs)"
+    )
+    rep.add_argument(
+        "--runs", type=int, default=5, help="timed runs per lowering, after one warm-up"
+    )
     rep.add_argument("--json", action="store_true", help="print JSON rows instead of the table")
     rep.add_argument("--list", action="store_true", help="list the built-in models and exit")
     return parser
@@ -36,7 +42,14 @@ def _report(args) -> int:
             print(f"{m.name:28s} {m.backend:8s} {m.description}")
         return 0
     if args.program:
-        jobs = [(args.program, args.backend or "xnnpack", report.program_builder(args.program), lambda: [])]
+        jobs = [
+            (
+                args.program,
+                args.backend or "xnnpack",
+                report.program_builder(args.program),
+                lambda: [],
+            )
+        ]
     else:
         known = {m.name: m for m in models}
         unknown = sorted(set(args.model or []) - set(known))
@@ -48,7 +61,9 @@ def _report(args) -> int:
         jobs = [(m.name, m.backend, m.build, m.calibration) for m in selected]
     outcomes = []
     for index, (name, backend, build, calibration) in enumerate(jobs, 1):
-        _progress(f"[{index}/{len(jobs)}] {name} on {backend}: lowering with stock ExecuTorch and with etfold…")
+        _progress(
+            f"[{index}/{len(jobs)}] {name} on {backend}: lowering with stock ExecuTorch and with etfold…"
+        )
         outcomes += report.evaluate(name, backend, build, runs=args.runs, calibration=calibration)
     if args.json:
         rows = report.as_json_rows(outcomes)

@@ -60,7 +60,9 @@ def _xnnpack_lowering(flavour: str, program):
     from etfold.backends.xnnpack import XnnpackPartitioner
     from etfold.exir import to_edge_transform_and_lower
 
-    return xnnpack_runner.lower_xnnpack(program, [XnnpackPartitioner()], lower=to_edge_transform_and_lower)
+    return xnnpack_runner.lower_xnnpack(
+        program, [XnnpackPartitioner()], lower=to_edge_transform_and_lower
+    )
 
 
 def _run_xnnpack(outcome: Outcome, module, inputs, reference, runs: int) -> None:
@@ -126,7 +128,9 @@ def evaluate(
 
 
 def evaluate_demo(model: DemoModel, runs: int) -> list[Outcome]:
-    return evaluate(model.name, model.backend, model.build, runs=runs, calibration=model.calibration)
+    return evaluate(
+        model.name, model.backend, model.build, runs=runs, calibration=model.calibration
+    )
 
 
 def program_builder(path: str) -> Callable[[], tuple[torch.nn.Module, tuple]]:
@@ -135,7 +139,9 @@ def program_builder(path: str) -> Callable[[], tuple[torch.nn.Module, tuple]]:
     def build():
         program = torch.export.load(path)
         if program.example_inputs is None:
-            raise ValueError(f"{path} has no example inputs; export with example args and save again")
+            raise ValueError(
+                f"{path} has no example inputs; export with example args and save again"
+            )
         args, kwargs = program.example_inputs
         if kwargs:
             raise ValueError(f"{path}: keyword example inputs are not supported by the report")
@@ -148,16 +154,31 @@ def _ops_text(ops: dict[str, int]) -> str:
     total = sum(ops.values())
     if not total:
         return "0"
-    top = ", ".join(f"{name.split('.')[-2] if '.' in name else name}×{n}" for name, n in Counter(ops).most_common(2))
+    top = ", ".join(
+        f"{name.split('.')[-2] if '.' in name else name}×{n}"
+        for name, n in Counter(ops).most_common(2)
+    )
     return f"{total} ({top})"
 
 
 def format_table(outcomes: Sequence[Outcome]) -> str:
-    header = ("model", "backend", "lowering", "delegates", "ops outside", ".pte bytes", "median ms", "max err", "folds")
+    header = (
+        "model",
+        "backend",
+        "lowering",
+        "delegates",
+        "ops outside",
+        ".pte bytes",
+        "median ms",
+        "max err",
+        "folds",
+    )
     rows = []
     for o in outcomes:
         if o.failure:
-            rows.append((o.model, o.backend, o.flavour, "-", "-", "-", "-", "-", f"FAILED: {o.failure}"))
+            rows.append(
+                (o.model, o.backend, o.flavour, "-", "-", "-", "-", "-", f"FAILED: {o.failure}")
+            )
             continue
         rows.append(
             (

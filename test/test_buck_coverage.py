@@ -45,5 +45,7 @@ def test_the_check_notices_an_uncovered_file(tmp_path):
     (tmp_path / "exir").mkdir()
     (tmp_path / "exir" / "covered.py").write_text("")
     (tmp_path / "exir" / "forgotten.py").write_text("")
-    (tmp_path / "exir" / "BUCK").write_text('runtime.python_library(name = "x", srcs = ["covered.py"])\n')
+    (tmp_path / "exir" / "BUCK").write_text(
+        'runtime.python_library(name = "x", srcs = ["covered.py"])\n'
+    )
     assert python_files(tmp_path, ("exir",)) - buck_sources(tmp_path) == {"exir/forgotten.py"}

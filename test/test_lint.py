@@ -18,7 +18,9 @@ def _ruff() -> list[str]:
     return [found]
 
 
-@pytest.mark.parametrize("command", [["check", "."], ["format", "--check", "."]], ids=["check", "format"])
+@pytest.mark.parametrize(
+    "command", [["check", "."], ["format", "--check", "."]], ids=["check", "format"]
+)
 def test_ruff_is_clean(command):
     result = subprocess.run(_ruff() + command, cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

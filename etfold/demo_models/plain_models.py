@@ -61,6 +61,13 @@ def _conv_block_small():
 MODELS = [
     DemoModel("conv_block", "xnnpack", _conv_block, "conv-relu-conv, nothing to fold"),
     DemoModel("mlp", "xnnpack", _mlp, "linear-gelu-linear, nothing to fold"),
-    DemoModel("depthwise_separable", "xnnpack", _depthwise_separable, "depthwise + pointwise conv, nothing to fold"),
-    DemoModel("conv_block_int8", "arm", _conv_block_small, "conv-relu-conv on TOSA INT, nothing to fold"),
+    DemoModel(
+        "depthwise_separable",
+        "xnnpack",
+        _depthwise_separable,
+        "depthwise + pointwise conv, nothing to fold",
+    ),
+    DemoModel(
+        "conv_block_int8", "arm", _conv_block_small, "conv-relu-conv on TOSA INT, nothing to fold"
+    ),
 ]

@@ -113,7 +113,9 @@ def _native_stdout_silenced():
         os.close(saved)
 
 
-def run_tosa_graph(tosa_graph: bytes, inputs: Sequence[torch.Tensor], output_like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def run_tosa_graph(
+    tosa_graph: bytes, inputs: Sequence[torch.Tensor], output_like: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
     import tosa_reference_model
 
     with _native_stdout_silenced():
@@ -169,7 +171,9 @@ class TosaProgram:
         with torch.no_grad():
             out = interpreter.run(*inputs)
         if interpreter.delegates_run == 0:
-            raise RuntimeError("the program has no TOSA delegate: nothing ran on the reference model")
+            raise RuntimeError(
+                "the program has no TOSA delegate: nothing ran on the reference model"
+            )
         outputs = [out] if isinstance(out, torch.Tensor) else list(out)
         return TosaResult(outputs=outputs, codes=interpreter.codes)
 
@@ -204,7 +208,9 @@ def lower_tosa(
 ) -> TosaProgram:
     from executorch.backends.arm.tosa.partitioner import TOSAPartitioner
 
-    edge = lower(program, partitioner=[TOSAPartitioner(compile_spec(profile))], compile_config=compile_config)
+    edge = lower(
+        program, partitioner=[TOSAPartitioner(compile_spec(profile))], compile_config=compile_config
+    )
     return TosaProgram(edge, profile)
 
 

@@ -69,7 +69,9 @@ def lower_xnnpack(
         partitioner=list(partitioners) if partitioners is not None else default_partitioners(),
         compile_config=compile_config,
     )
-    executorch = edge.to_executorch(executorch_config) if executorch_config else edge.to_executorch()
+    executorch = (
+        edge.to_executorch(executorch_config) if executorch_config else edge.to_executorch()
+    )
     return XnnpackProgram(edge, executorch, load_program(executorch))
 
 
@@ -89,7 +91,9 @@ def export_method(module: torch.nn.Module, method: str, inputs: tuple) -> Export
     return torch.export.export(_Method(module), inputs)
 
 
-def eager_outputs(module: torch.nn.Module, inputs: tuple, method: str = "forward") -> list[torch.Tensor]:
+def eager_outputs(
+    module: torch.nn.Module, inputs: tuple, method: str = "forward"
+) -> list[torch.Tensor]:
     """Eager outputs from a deep copy, so lowering can never influence the reference."""
     with torch.no_grad():
         out = getattr(copy.deepcopy(module), method)(*inputs)
@@ -121,7 +125,13 @@ def max_abs_error(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tenso
     return worst
 
 
-def assert_close(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor], *, atol: float, rtol: float = 0.0) -> None:
+def assert_close(
+    actual: Sequence[torch.Tensor],
+    expected: Sequence[torch.Tensor],
+    *,
+    atol: float,
+    rtol: float = 0.0,
+) -> None:
     assert len(actual) == len(expected), f"{len(actual)} outputs, expected {len(expected)}"
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, atol=atol, rtol=rtol, check_dtype=False)

@@ -9,7 +9,10 @@ def test_collectors_see_only_what_happens_inside_them(caplog):
         record_applied("fold.a", "n1", "scaled by 2")
         with collect_decisions() as inner:
             record_declined("fold.b", "n2", "scale is not finite")
-    assert [(d.fold, d.applied, d.where) for d in outer] == [("fold.a", True, "n1"), ("fold.b", False, "n2")]
+    assert [(d.fold, d.applied, d.where) for d in outer] == [
+        ("fold.a", True, "n1"),
+        ("fold.b", False, "n2"),
+    ]
     assert [d.detail for d in inner] == ["scale is not finite"]
     assert "fold.b declined at n2: scale is not finite" in caplog.text
 

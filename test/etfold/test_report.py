@@ -17,7 +17,21 @@ def test_every_built_in_model_has_a_unique_name_and_a_known_backend():
 
 
 def test_report_runs_both_lowerings_on_the_runtime(capsys):
-    assert cli.main(["report", "--model", "conv_block", "--model", "conv_block_int8", "--runs", "1", "--json"]) == 0
+    assert (
+        cli.main(
+            [
+                "report",
+                "--model",
+                "conv_block",
+                "--model",
+                "conv_block_int8",
+                "--runs",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)
     assert [(r["model"], r["flavour"]) for r in rows] == [
         ("conv_block", "stock"),
@@ -35,7 +49,9 @@ def test_report_runs_both_lowerings_on_the_runtime(capsys):
 def test_table_lists_every_row_and_decision():
     outcomes = [
         report.Outcome("m", "xnnpack", "stock", 2, {"aten.add.Tensor": 1}, 100, 1.0, 0.0),
-        report.Outcome("m", "xnnpack", "etfold", 1, {}, 90, 0.5, 0.0, ["fold.x @ n: ok"], ["fold.y @ k: why"]),
+        report.Outcome(
+            "m", "xnnpack", "etfold", 1, {}, 90, 0.5, 0.0, ["fold.x @ n: ok"], ["fold.y @ k: why"]
+        ),
         report.Outcome("n", "arm", "stock", failure="RuntimeError: boom"),
     ]
     table = report.format_table(outcomes)

@@ -81,5 +81,7 @@ def test_multi_method_program_runs_each_method():
     }
     program = lower_xnnpack(programs)
     assert_close(program.run(x, method="forward"), eager_outputs(module, (x,)), atol=1e-5)
-    assert_close(program.run(x, method="doubled"), eager_outputs(module, (x,), "doubled"), atol=1e-5)
+    assert_close(
+        program.run(x, method="doubled"), eager_outputs(module, (x,), "doubled"), atol=1e-5
+    )
     assert program.delegates("doubled") == 1
