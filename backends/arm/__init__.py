@@ -1,5 +1,11 @@
 """etfold's Arm folds. Nothing is registered until `register_arm_folds()` is called."""
 
+from etfold.backends.arm._passes import (
+    FoldScalarMulIntoConvPass,
+    is_carried_quant_state,
+    mark_carried_quant_state,
+    mark_carried_state_outputs,
+)
 from etfold.backends.arm.registration import (
     ARM_PASS_INSERTIONS,
     ArmPassInsertion,
@@ -14,8 +20,12 @@ __all__ = [
     "ARM_PASS_INSERTIONS",
     "ArmPassInsertion",
     "ArmRegistrationError",
+    "FoldScalarMulIntoConvPass",
     "arm_folds_registered",
     "arm_folds_registered_now",
+    "is_carried_quant_state",
+    "mark_carried_quant_state",
+    "mark_carried_state_outputs",
     "register_arm_folds",
     "unregister_arm_folds",
 ]
