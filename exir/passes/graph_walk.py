@@ -1,0 +1,195 @@
+"""Graph walks over lifted ExportedPrograms, shared by etfold's exir passes.
+
+Every walk here is iterative (explicit stacks), so graph depth is never bounded
+by Python's recursion limit.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+# Placeholder kinds in the order torch.export lays them out.
+PLACEHOLDER_RANK = {
+    InputKind.TOKEN: 0,
+    InputKind.PARAMETER: 1,
+    InputKind.BUFFER: 2,
+    InputKind.CONSTANT_TENSOR: 3,
+    InputKind.CUSTOM_OBJ: 3,
+    InputKind.USER_INPUT: 4,
+}
+
+
+@dataclass(frozen=True)
+class ConstantSource:
+    """A placeholder whose value is known before the program runs."""
+
+    node: torch.fx.Node
+    kind: InputKind
+    fqn: str
+    persistent: bool | None
+    tensor: torch.Tensor
+
+
+def underlying_op(target):
+    """The ATen overload behind an Edge op; any other target unchanged."""
+    return getattr(target, "_op", target)
+
+
+def op_qualified_name(target) -> str:
+    """`aten.t.default`, `quantized_decomposed.quantize_per_tensor.default`, `_operator.getitem`."""
+    op = underlying_op(target)
+    if isinstance(op, torch._ops.OpOverload):
+        return str(op)
+    module = getattr(op, "__module__", None) or type(op).__module__
+    name = getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or repr(op)
+    return f"{module}.{name}"
+
+
+def op_namespace(target) -> str | None:
+    op = underlying_op(target)
+    return op.namespace if isinstance(op, torch._ops.OpOverload) else None
+
+
+def placeholders(ep: ExportedProgram) -> list[torch.fx.Node]:
+    return list(ep.graph.find_nodes(op="placeholder"))
+
+
+def input_kinds(ep: ExportedProgram) -> dict[str, InputKind]:
+    return {
+        spec.arg.name: spec.kind
+        for spec in ep.graph_signature.input_specs
+        if hasattr(spec.arg, "name")
+    }
+
+
+def stored_value(ep: ExportedProgram, kind: InputKind, fqn: str, persistent: bool | None):
+    """The tensor behind a parameter, buffer or lifted constant, wherever export stored it."""
+    if kind == InputKind.PARAMETER:
+        return ep.state_dict.get(fqn)
+    if kind == InputKind.BUFFER and persistent is not False:
+        return ep.state_dict.get(fqn, ep.constants.get(fqn))
+    return ep.constants.get(fqn)
+
+
+def is_plain_tensor(value) -> bool:
+    return type(value) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _written_arguments(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
+    """Nodes `node` may write in place, per its schema."""
+    schema = getattr(underlying_op(node.target), "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        if position < len(node.args):
+            passed = node.args[position]
+        else:
+            passed = node.kwargs.get(argument.name)
+        yield from _nodes_in(passed)
+
+
+def _nodes_in(value) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(value, found.append)
+    return found
+
+
+def _aliased_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The input whose storage `node`'s result aliases (a view), if any."""
+    if node.op != "call_function":
+        return None
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return source if isinstance(source, torch.fx.Node) else None
+    schema = getattr(underlying_op(node.target), "_schema", None)
+    if schema is None:
+        return None
+    returned = {
+        a for r in schema.returns if r.alias_info is not None for a in r.alias_info.before_set
+    }
+    if not returned:
+        return None
+    for position, argument in enumerate(schema.arguments):
+        info = argument.alias_info
+        if info is None or not (set(info.before_set) & returned):
+            continue
+        passed = (
+            node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
+        )
+        if isinstance(passed, torch.fx.Node):
+            return passed
+    return None
+
+
+def placeholders_written_in_place(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Placeholders that some op writes, directly or through a chain of views."""
+    written: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        for target in _written_arguments(node):
+            seen = set()
+            while target is not None and target not in seen:
+                seen.add(target)
+                if target.op == "placeholder":
+                    written.add(target)
+                    break
+                target = _aliased_input(target)
+    return written
+
+
+def constant_sources(
+    ep: ExportedProgram, *, fold_buffers: bool
+) -> tuple[dict[torch.fx.Node, ConstantSource], dict[torch.fx.Node, str]]:
+    """Placeholders whose values are known, and the reason each other constant is not.
+
+    Known: parameters and lifted tensor constants, plus buffers when `fold_buffers`.
+    Never known: anything the program writes (mutation outputs, in-place ops on it
+    or a view of it), a parameter that receives a gradient, a non-plain tensor.
+    """
+    signature = ep.graph_signature
+    mutated_targets = {
+        spec.target
+        for spec in signature.output_specs
+        if spec.kind
+        in (
+            OutputKind.BUFFER_MUTATION,
+            OutputKind.PARAMETER_MUTATION,
+            OutputKind.GRADIENT_TO_PARAMETER,
+        )
+    }
+    written = placeholders_written_in_place(ep.graph)
+    specs = {spec.arg.name: spec for spec in signature.input_specs if hasattr(spec.arg, "name")}
+    known: dict[torch.fx.Node, ConstantSource] = {}
+    excluded: dict[torch.fx.Node, str] = {}
+    for node in placeholders(ep):
+        spec = specs.get(node.name)
+        if spec is None or spec.kind not in (
+            InputKind.PARAMETER,
+            InputKind.BUFFER,
+            InputKind.CONSTANT_TENSOR,
+        ):
+            continue
+        if spec.kind == InputKind.BUFFER and not fold_buffers:
+            excluded[node] = f"buffer {spec.target} (fold_buffers=False)"
+            continue
+        if spec.target in mutated_targets:
+            excluded[node] = f"{spec.target} is mutated or trained by the program"
+            continue
+        if node in written:
+            excluded[node] = f"{spec.target} is written in place"
+            continue
+        value = stored_value(ep, spec.kind, spec.target, spec.persistent)
+        if not is_plain_tensor(value):
+            excluded[node] = f"{spec.target} is not a plain tensor ({type(value).__name__})"
+            continue
+        known[node] = ConstantSource(node, spec.kind, spec.target, spec.persistent, value)
+    return known, excluded
