@@ -199,6 +199,41 @@ class TosaProgram:
         return paths
 
 
+def run_carried(
+    program: TosaProgram,
+    steps: Iterable[tuple[torch.Tensor, ...]],
+    *,
+    buffers: dict[str, torch.Tensor] | None = None,
+) -> list[TosaResult]:
+    """Run consecutive calls on one instance of the lowered program, so buffer writes carry over.
+
+    Each buffer starts from a private copy (the program's own value, or
+    `buffers[name]` when given), so neither the program nor a module sharing its
+    tensors is written. Returns one result per step.
+    """
+    graph_module = program.exported_program.module(check_guards=False)
+    overrides = dict(buffers or {})
+    for name, value in list(graph_module.named_buffers()):
+        *path, leaf = name.split(".")
+        owner = graph_module.get_submodule(".".join(path)) if path else graph_module
+        start = overrides.pop(name, value)
+        owner.register_buffer(leaf, start.detach().clone().to(value.dtype))
+    if overrides:
+        raise KeyError(f"the lowered program has no buffers {sorted(overrides)}")
+    results = []
+    for inputs in steps:
+        interpreter = _ReferenceModelInterpreter(graph_module)
+        with torch.no_grad():
+            out = interpreter.run(*inputs)
+        if interpreter.delegates_run == 0:
+            raise RuntimeError(
+                "the program has no TOSA delegate: nothing ran on the reference model"
+            )
+        outputs = [out] if isinstance(out, torch.Tensor) else list(out)
+        results.append(TosaResult(outputs=outputs, codes=interpreter.codes))
+    return results
+
+
 def lower_tosa(
     program: ExportedProgram,
     profile: str = INT,
