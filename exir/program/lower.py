@@ -1,13 +1,106 @@
 """`to_edge_transform_and_lower` with etfold's multi-method bookkeeping.
 
-Same signature as upstream's; the exir constant_prop_pass issue adds the
-cross-method marking before deferring to upstream.
+Same signature as upstream's. Before deferring to upstream it applies each
+marking step in `MARKING_STEPS` to the method -> ATen program dict, so
+pre-decomposition hooks (which see one method) know what other methods do.
+The returned manager checks the external constant map at `to_executorch()`.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+
+from executorch.exir import EdgeProgramManager
 from executorch.exir import to_edge_transform_and_lower as _upstream_to_edge_transform_and_lower
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from etfold.exir.emit.external_constants import check_external_constant_names
+
+SHARED_ACROSS_METHODS = "shared_across_methods"
+
+MarkingStep = Callable[[Mapping[str, ExportedProgram]], None]
 
 
-def to_edge_transform_and_lower(programs, *args, **kwargs):
-    return _upstream_to_edge_transform_and_lower(programs, *args, **kwargs)
+def _constant_placeholders(program: ExportedProgram):
+    kinds = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+    specs = {s.arg.name: s for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
+    for node in program.graph.find_nodes(op="placeholder"):
+        spec = specs.get(node.name)
+        if spec is not None and spec.kind in kinds and spec.target is not None:
+            yield node, spec.target
+
+
+def mark_constants_shared_across_methods(programs: Mapping[str, ExportedProgram]) -> None:
+    """`meta["shared_across_methods"] = True` on each constant that several methods read.
+
+    Constants are matched by fully qualified name; a placeholder with no users is
+    not a read. Marks left by an earlier call are recomputed, not accumulated.
+    """
+    readers: dict[str, set[str]] = defaultdict(set)
+    for method, program in programs.items():
+        for node, fqn in _constant_placeholders(program):
+            if node.users:
+                readers[fqn].add(method)
+    for program in programs.values():
+        for node, fqn in _constant_placeholders(program):
+            if len(readers[fqn]) > 1:
+                node.meta[SHARED_ACROSS_METHODS] = True
+            else:
+                node.meta.pop(SHARED_ACROSS_METHODS, None)
+
+
+# Applied in order to the method -> ATen program dict before upstream runs.
+MARKING_STEPS: tuple[MarkingStep, ...] = (mark_constants_shared_across_methods,)
+
+
+class CheckedEdgeProgramManager(EdgeProgramManager):
+    """Upstream's EdgeProgramManager whose `to_executorch` rejects external-constant collisions.
+
+    Adds no state; managers derived through `transform` / `to_backend` stay checked.
+    """
+
+    @classmethod
+    def adopt(cls, manager: EdgeProgramManager) -> CheckedEdgeProgramManager:
+        if not isinstance(manager, EdgeProgramManager):
+            raise TypeError(
+                f"expected an EdgeProgramManager from upstream, got {type(manager).__name__}"
+            )
+        manager.__class__ = cls
+        return manager
+
+    def transform(self, *args, **kwargs):
+        return self.adopt(super().transform(*args, **kwargs))
+
+    def to_backend(self, *args, **kwargs):
+        return self.adopt(super().to_backend(*args, **kwargs))
+
+    def to_executorch(self, *args, **kwargs):
+        executorch = super().to_executorch(*args, **kwargs)
+        check_external_constant_names(
+            {m: executorch.exported_program(m) for m in executorch.methods}
+        )
+        return executorch
+
+
+def to_edge_transform_and_lower(
+    programs: ExportedProgram | dict[str, ExportedProgram],
+    transform_passes=None,
+    partitioner=None,
+    constant_methods=None,
+    compile_config=None,
+    generate_etrecord: bool = False,
+) -> CheckedEdgeProgramManager:
+    by_method = programs if isinstance(programs, dict) else {"forward": programs}
+    for step in MARKING_STEPS:
+        step(by_method)
+    manager = _upstream_to_edge_transform_and_lower(
+        programs,
+        transform_passes=transform_passes,
+        partitioner=partitioner,
+        constant_methods=constant_methods,
+        compile_config=compile_config,
+        generate_etrecord=generate_etrecord,
+    )
+    return CheckedEdgeProgramManager.adopt(manager)

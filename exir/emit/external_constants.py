@@ -1,0 +1,80 @@
+"""The external constant map must not hold two different tensors under one name.
+
+ExecuTorch's emitter keys external constants (`.ptd` entries) by fully qualified
+name across all methods: when two methods tag different data under one name, the
+later one silently replaces the earlier, and one method reads the other's weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+
+from etfold.exir.passes.graph_walk import stored_value
+
+
+class ExternalConstantCollisionError(ValueError):
+    """Two methods would write different tensors under one external constant name."""
+
+
+@dataclass(frozen=True)
+class ExternalEntry:
+    method: str
+    tag: str
+    digest: str  # of dtype, shape and bytes
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    header = f"{tensor.dtype}:{tuple(tensor.shape)}:".encode()
+    return hashlib.sha256(header + flat.numpy().tobytes()).hexdigest()
+
+
+def external_constant_entries(
+    programs: Mapping[str, ExportedProgram],
+) -> dict[str, list[ExternalEntry]]:
+    """Every placeholder tagged for an external file (`meta["constant_tag"]`), by name."""
+    entries: dict[str, list[ExternalEntry]] = defaultdict(list)
+    for method, program in programs.items():
+        specs = {
+            s.arg.name: s for s in program.graph_signature.input_specs if hasattr(s.arg, "name")
+        }
+        for node in program.graph.find_nodes(op="placeholder"):
+            tag = node.meta.get("constant_tag")
+            spec = specs.get(node.name)
+            if tag is None or spec is None or spec.target is None:
+                continue
+            value = stored_value(program, spec.kind, spec.target, spec.persistent)
+            if not isinstance(value, torch.Tensor):
+                storage = getattr(node.meta.get("spec"), "storage", None)
+                value = (
+                    None
+                    if storage is None
+                    else torch.frombuffer(bytearray(storage), dtype=torch.uint8)
+                )
+            digest = tensor_digest(value) if value is not None else "unknown"
+            entries[spec.target].append(ExternalEntry(method, str(tag), digest))
+    return dict(entries)
+
+
+def check_external_constant_names(programs: Mapping[str, ExportedProgram]) -> None:
+    """Raise when one external constant name would carry different data in different methods."""
+    problems = []
+    for name, entries in sorted(external_constant_entries(programs).items()):
+        if len({e.digest for e in entries}) > 1:
+            where = ", ".join(f"{e.method} (file {e.tag!r})" for e in entries)
+            problems.append(
+                f"external constant {name!r} is written by methods {where}, and the data differ"
+            )
+    if problems:
+        raise ExternalConstantCollisionError(
+            "; ".join(problems)
+            + ". The external constant map holds one tensor per name, so one method would read the other's"
+            " data. Give the folded constants distinct names (etfold's constant_prop_pass with"
+            " register_like_source=True names them by their expression)."
+        )
