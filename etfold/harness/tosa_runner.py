@@ -58,9 +58,20 @@ def quantize_for_tosa(
     profile: str = INT,
 ) -> ExportedProgram:
     """export → prepare_pt2e (runs the Arm annotation pipeline) → calibrate → convert → export."""
+    exported = torch.export.export(module.eval(), inputs)
+    return quantize_exported_for_tosa(exported, inputs, calibration=calibration, profile=profile)
+
+
+def quantize_exported_for_tosa(
+    exported: ExportedProgram,
+    inputs: tuple,
+    *,
+    calibration: Iterable[tuple] = (),
+    profile: str = INT,
+) -> ExportedProgram:
+    """`quantize_for_tosa` from an already exported program (e.g. after marking its nodes)."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    exported = torch.export.export(module.eval(), inputs)
     # Arm's scalar handling rejects the `_guards_fn` submodule that module() keeps by default.
     prepared = prepare_pt2e(exported.module(check_guards=False), tosa_quantizer(profile))
     with torch.no_grad():
