@@ -17,6 +17,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from etfold.exir.emit.external_constants import check_external_constant_names
+from etfold.exir.program.buffer_marks import mark_buffer_fold_blockers
 
 SHARED_ACROSS_METHODS = "shared_across_methods"
 
@@ -52,7 +53,10 @@ def mark_constants_shared_across_methods(programs: Mapping[str, ExportedProgram]
 
 
 # Applied in order to the method -> ATen program dict before upstream runs.
-MARKING_STEPS: tuple[MarkingStep, ...] = (mark_constants_shared_across_methods,)
+MARKING_STEPS: tuple[MarkingStep, ...] = (
+    mark_constants_shared_across_methods,
+    mark_buffer_fold_blockers,
+)
 
 
 class CheckedEdgeProgramManager(EdgeProgramManager):

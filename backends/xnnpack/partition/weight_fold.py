@@ -34,9 +34,9 @@ from torch.export.graph_signature import InputKind
 
 from etfold.decisions import Declined, record_applied, record_declined
 from etfold.exir.program.buffer_marks import BUFFER_FOLD_BLOCKERS, state_writes
+from etfold.exir.program.lower import SHARED_ACROSS_METHODS
 
 FOLD = "xnnpack.fold_gemm_weight"
-SHARED_ACROSS_METHODS = "shared_across_methods"
 # placeholder meta that a retrace drops and the fold still needs
 _CARRIED_MARKS = (SHARED_ACROSS_METHODS, BUFFER_FOLD_BLOCKERS)
 
