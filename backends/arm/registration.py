@@ -106,6 +106,7 @@ class _Installed:
     original_add_pass: Callable
     registry_entries: list[tuple[type, Position, Any]]  # (anchor type, position, instance)
     created_registry_keys: list[type]
+    insertions: tuple[ArmPassInsertion, ...]
 
 
 _installed: _Installed | None = None
@@ -133,7 +134,7 @@ def _pass_manager_module():
     missing = [name for name in needed if not hasattr(module, name)]
     manager = getattr(module, "ArmPassManager", None)
     for method in ("add_pass", "transform_for_annotation_pipeline", "_configure_pass_insertions"):
-        if manager is not None and not callable(getattr(manager, method, None)):
+        if manager is not None and not callable(manager.__dict__.get(method)):
             missing.append(f"ArmPassManager.{method}")
     if missing:
         raise ArmRegistrationError(
@@ -142,17 +143,21 @@ def _pass_manager_module():
     return module
 
 
-def _annotation_entries(position: Position) -> dict[type, list[ArmPassInsertion]]:
+def _annotation_entries(
+    insertions: tuple[ArmPassInsertion, ...], position: Position
+) -> dict[type, list[ArmPassInsertion]]:
     by_anchor: dict[type, list[ArmPassInsertion]] = {}
-    for entry in ARM_PASS_INSERTIONS:
+    for entry in insertions:
         if entry.pipeline == "annotation" and entry.position == position:
             by_anchor.setdefault(_upstream_pass_class(entry.anchor), []).append(entry)
     return by_anchor
 
 
-def _make_add_pass(original_add_pass: Callable, retired: tuple[type, ...]) -> Callable:
-    before = _annotation_entries("before")
-    after = _annotation_entries("after")
+def _make_add_pass(
+    original_add_pass: Callable, retired: tuple[type, ...], insertions: tuple[ArmPassInsertion, ...]
+) -> Callable:
+    before = _annotation_entries(insertions, "before")
+    after = _annotation_entries(insertions, "after")
 
     def add_pass(self, pipeline_pass):
         # upstream builds the annotation pipeline from passes made with tfa_pass=True
@@ -174,8 +179,8 @@ def _make_add_pass(original_add_pass: Callable, retired: tuple[type, ...]) -> Ca
     return add_pass
 
 
-def annotation_pipeline_pass_names(profile: str = "TOSA-1.0+INT") -> list[str]:
-    """The annotation pipeline as it is built now (run on an empty graph, which is cheap)."""
+def _built_annotation_pipeline(profile: str):
+    """An ArmPassManager after building its annotation pipeline on an empty graph (cheap)."""
     import torch
     from executorch.backends.arm.tosa.compile_spec import TosaCompileSpec
 
@@ -184,23 +189,22 @@ def annotation_pipeline_pass_names(profile: str = "TOSA-1.0+INT") -> list[str]:
     empty.graph.output(())
     empty.recompile()
     manager.transform_for_annotation_pipeline(empty)
-    return [type(p).__name__ for p in manager.passes]
+    return manager
 
 
-def _check_annotation_anchors() -> None:
-    wanted = {e.anchor for e in ARM_PASS_INSERTIONS if e.pipeline == "annotation"}
+def annotation_pipeline_passes(profile: str = "TOSA-1.0+INT") -> list[type]:
+    """The pass classes of the annotation pipeline as it is built now, in order."""
+    return [type(p) for p in _built_annotation_pipeline(profile).passes]
+
+
+def _check_annotation_anchors(insertions: tuple[ArmPassInsertion, ...]) -> None:
+    wanted = {e.anchor for e in insertions if e.pipeline == "annotation"}
     if not wanted:
         return
-    from executorch.backends.arm.tosa.compile_spec import TosaCompileSpec
-
-    manager = _pass_manager_module().ArmPassManager(TosaCompileSpec("TOSA-1.0+INT"))
-    import torch
-
-    empty = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
-    empty.graph.output(())
-    empty.recompile()
-    manager.transform_for_annotation_pipeline(empty)
-    missing = sorted(wanted - manager.__dict__.get("_etfold_annotation_anchors_seen", set()))
+    seen = _built_annotation_pipeline("TOSA-1.0+INT").__dict__.get(
+        "_etfold_annotation_anchors_seen", set()
+    )
+    missing = sorted(wanted - seen)
     if missing:
         raise ArmRegistrationError(
             f"ArmPassManager.transform_for_annotation_pipeline no longer adds {missing} (with tfa_pass=True); "
@@ -208,48 +212,51 @@ def _check_annotation_anchors() -> None:
         )
 
 
-def register_arm_folds() -> None:
-    """Install etfold's Arm passes into both pipelines; calling it again changes nothing."""
+def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
     global _installed
     if _installed is not None:
+        if _installed.insertions != insertions:
+            raise ArmRegistrationError(
+                "a different set of etfold Arm passes is registered; unregister it first"
+            )
         return
     module = _pass_manager_module()
     manager_cls = module.ArmPassManager
-    if hasattr(manager_cls.add_pass, "__etfold_wrapped__"):
+    original_add_pass = manager_cls.__dict__["add_pass"]
+    if hasattr(original_add_pass, "__etfold_wrapped__"):
         raise ArmRegistrationError(
             "ArmPassManager.add_pass is already wrapped by another etfold install"
         )
     retired = tuple(_upstream_pass_class(name) for name in RETIRED_UPSTREAM_PASSES)
-    anchors = {e.anchor: _upstream_pass_class(e.anchor) for e in ARM_PASS_INSERTIONS}
+    anchors = {e.anchor: _upstream_pass_class(e.anchor) for e in insertions}
 
-    original_add_pass = manager_cls.__dict__.get("add_pass")
-    if original_add_pass is None:
-        raise ArmRegistrationError("ArmPassManager no longer defines add_pass itself")
-    manager_cls.add_pass = _make_add_pass(original_add_pass, retired)
+    manager_cls.add_pass = _make_add_pass(original_add_pass, retired, insertions)
     try:
-        _check_annotation_anchors()
+        _check_annotation_anchors(insertions)
+        backend = [e for e in insertions if e.pipeline == "backend"]
+        instances = [e.factory() for e in backend]
     except BaseException:
         manager_cls.add_pass = original_add_pass
         raise
 
     registry = module._registered_pass_insertions
-    created = [
-        anchors[e.anchor]
-        for e in ARM_PASS_INSERTIONS
-        if e.pipeline == "backend" and anchors[e.anchor] not in registry
-    ]
+    created = list(
+        dict.fromkeys(anchors[e.anchor] for e in backend if anchors[e.anchor] not in registry)
+    )
     entries: list[tuple[type, Position, Any]] = []
-    for entry in ARM_PASS_INSERTIONS:
-        if entry.pipeline != "backend":
-            continue
-        instance = entry.factory()
+    for entry, instance in zip(backend, instances, strict=True):
         anchor_type = anchors[entry.anchor]
         if entry.position == "before":
             module.register_pass_insertions_before(anchor_type, [instance])
         else:
             module.register_pass_insertions_after(anchor_type, [instance])
         entries.append((anchor_type, entry.position, instance))
-    _installed = _Installed(original_add_pass, entries, list(dict.fromkeys(created)))
+    _installed = _Installed(original_add_pass, entries, created, insertions)
+
+
+def register_arm_folds() -> None:
+    """Install etfold's Arm passes into both pipelines; calling it again changes nothing."""
+    _install(ARM_PASS_INSERTIONS)
 
 
 def unregister_arm_folds() -> None:
@@ -274,16 +281,28 @@ def unregister_arm_folds() -> None:
 
 
 def arm_folds_registered_now() -> bool:
-    return _installed is not None
+    return _installed is not None and _installed.insertions == ARM_PASS_INSERTIONS
 
 
 @contextlib.contextmanager
 def arm_folds_registered() -> Iterator[None]:
     """Register for the block; leave registration as it was afterwards."""
-    was_registered = arm_folds_registered_now()
+    was_registered = _installed is not None
     register_arm_folds()
     try:
         yield
     finally:
         if not was_registered:
             unregister_arm_folds()
+
+
+@contextlib.contextmanager
+def upstream_folds_retired() -> Iterator[None]:
+    """Neither upstream's retired passes nor etfold's run: the unfolded baseline for comparisons."""
+    if _installed is not None:
+        raise ArmRegistrationError("unregister etfold's Arm folds before retiring upstream's alone")
+    _install(())
+    try:
+        yield
+    finally:
+        unregister_arm_folds()
