@@ -1,0 +1,156 @@
+"""Graph reading shared by the integer DyT folds (after q/dq folding, INT profile).
+
+At that point a quantized elementwise op reads int32 operands produced by
+`tosa.RESCALE`, and a constant operand is `RESCALE(int8 constant)`, possibly
+behind a broadcasting `view_copy`. These helpers read such structure without
+touching the graph; anything unexpected answers None and the caller declines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from executorch.backends.arm._passes.quant_args import QuantArgs
+from executorch.exir import ExportedProgram
+from executorch.exir.dialects._ops import ops as exir_ops
+from torch.fx import Node
+
+from etfold.backends.arm._passes.graph_utils import constant_tensor, delete_constant_if_unused
+from etfold.backends.arm._passes.tosa_integer import Rescale
+
+RESCALE = exir_ops.backend.tosa.RESCALE.default
+TABLE = exir_ops.backend.tosa.TABLE.default
+MUL = exir_ops.edge.aten.mul.Tensor
+ADD = exir_ops.edge.aten.add.Tensor
+VIEW = exir_ops.edge.aten.view_copy.default
+PERMUTE = exir_ops.edge.aten.permute_copy.default
+SLICE = exir_ops.edge.aten.slice_copy.Tensor
+CONVOLUTION = exir_ops.edge.aten.convolution.default
+TANH = exir_ops.edge.aten.tanh.default
+
+
+def rescale_of(node: object) -> Rescale | None:
+    """The node's RESCALE if it is a plain per-tensor, signed one."""
+    if not isinstance(node, Node) or node.op != "call_function" or node.target != RESCALE:
+        return None
+    if len(node.args) < 5 or not isinstance(node.args[0], Node):
+        return None
+    scales = node.args[2]
+    if not isinstance(scales, (list, tuple)) or len(scales) != 1:
+        return None
+    if node.kwargs.get("input_unsigned", False) or node.kwargs.get("output_unsigned", False):
+        return None
+    if len(node.args) > 5 and any(node.args[5:]):
+        return None
+    return Rescale(float(scales[0]), int(node.args[3]), int(node.args[4]), node.args[1])
+
+
+def constant_of(exported_program: ExportedProgram | None, node: object) -> torch.Tensor | None:
+    """The tensor behind a constant placeholder (never a mutated buffer), else None."""
+    if not isinstance(node, Node) or node.op != "placeholder":
+        return None
+    return constant_tensor(node, exported_program)
+
+
+def single_qargs(node: Node, key: str) -> QuantArgs | None:
+    """The node's only per-tensor qparams under `key` ("input_qparams"/"output_qparams")."""
+    qparams = node.meta.get(key) or {}
+    if len(qparams) != 1:
+        return None
+    qargs = next(iter(qparams.values()))
+    if not isinstance(qargs, QuantArgs) or qargs.per_channel:
+        return None
+    return qargs
+
+
+def shape_of(node: Node) -> tuple[int, ...] | None:
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or not all(type(d) is int for d in value.shape):
+        return None
+    return tuple(value.shape)
+
+
+@dataclass(frozen=True)
+class Int32Constant:
+    """An int32 operand that is a constant: its values and the nodes that make it.
+
+    `values` has the operand's own shape (after the view, if any); `nodes` are
+    the view/RESCALE nodes and `source` the int8 constant placeholder.
+    """
+
+    values: torch.Tensor  # int64, exactly what TOSA computes for the operand
+    source: Node
+    nodes: tuple[Node, ...]
+
+
+def int32_constant_operand(
+    exported_program: ExportedProgram | None, operand: Node
+) -> Int32Constant | None:
+    """Read `[view_copy](RESCALE(int8 constant))` as the int32 values TOSA produces."""
+    nodes: list[Node] = []
+    view_shape = None
+    node = operand
+    if node.op == "call_function" and node.target == VIEW:
+        view_shape = node.args[1]
+        nodes.append(node)
+        node = node.args[0]
+        if not isinstance(node, Node):
+            return None
+    rescale = rescale_of(node)
+    if rescale is None or rescale.output_dtype != torch.int32:
+        return None
+    source = node.args[0]
+    codes = constant_of(exported_program, source)
+    if codes is None or codes.dtype != torch.int8:
+        return None
+    values = rescale.apply(codes)
+    if view_shape is not None:
+        if not isinstance(view_shape, (list, tuple)) or not all(type(d) is int for d in view_shape):
+            return None
+        if values.numel() != _product(view_shape):
+            return None
+        values = values.reshape(view_shape)
+    nodes.append(node)
+    return Int32Constant(values, source, tuple(nodes))
+
+
+def channel_vector(
+    values: torch.Tensor, rank: int, channel_axis: int, channels: int
+) -> torch.Tensor | None:
+    """`values` as a [channels] vector if it broadcasts over a rank-`rank` tensor along
+    `channel_axis` only (or is a scalar); None if it varies along any other axis."""
+    if values.dim() > rank:
+        return None
+    shape = (1,) * (rank - values.dim()) + tuple(values.shape)
+    for axis, size in enumerate(shape):
+        if size != 1 and axis != channel_axis:
+            return None
+    if shape[channel_axis] not in (1, channels):
+        return None
+    return values.reshape(-1).expand(channels) if values.numel() == 1 else values.reshape(channels)
+
+
+def users_are_only(node: Node, user: Node) -> bool:
+    return set(node.users) == {user}
+
+
+def _product(values) -> int:
+    result = 1
+    for value in values:
+        result *= value
+    return result
+
+
+def erase_unused(graph_module, exported_program: ExportedProgram, nodes) -> None:
+    """Erase each of `nodes` (consumers first) that nothing reads any more.
+
+    A constant placeholder also leaves the program's signature and state.
+    """
+    for node in nodes:
+        if node.users:
+            continue
+        if node.op == "placeholder":
+            delete_constant_if_unused(graph_module, exported_program, node)
+        else:
+            node.graph.erase_node(node)

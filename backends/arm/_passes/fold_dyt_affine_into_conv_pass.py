@@ -1,0 +1,602 @@
+"""Fold DyT's gamma/beta into the following convolution, exactly (TOSA INT).
+
+Given a TABLE t (int8 codes, zero point z_t) feeding, through int32 MUL/ADD with
+per-channel constants and RESCALEs, the int8 conv input y (zero point z_y), and
+a conv with int8 weights W (zero point z_w) and int32 bias B:
+
+    y[c] = f_c(t)                                       the integer chain, per channel
+    acc[o] = B[o] + sum_{c,k} (W[o,c,k] - z_w) * (y[c] - z_y)
+
+If on every code the TABLE can emit  f_c(t) - z_y == a_c * (t - z_t) + b_c  with
+integers a_c, b_c (checked exactly, all channels at once), then
+
+    acc[o] = B'[o] + sum_{c,k} (W'[o,c,k] - z_w) * (t[c] - z_t)
+    W'[o,c,k] = (W[o,c,k] - z_w) * a_c + z_w
+    B'[o]     = B[o] + sum_{c,k} (W[o,c,k] - z_w) * b_c
+
+and the conv reads the TABLE directly: the accumulator is the same integer, so
+the conv output is bit-identical. With padding the b_c term only holds where the
+kernel window is inside the input, so a padded conv folds only when every b_c
+is 0; otherwise an identity prefix of the chain (gamma that leaves the codes
+unchanged) is removed and beta is kept. Runs after InsertTableOpsPass and before
+RewriteConvPass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from executorch.backends.arm._passes.arm_pass import ArmPass
+from executorch.backends.arm._passes.quant_args import QuantArgs
+from executorch.exir import ExportedProgram
+from executorch.exir.pass_base import ExportPass, PassResult
+from torch.fx import GraphModule, Node
+
+from etfold.backends.arm._passes.dyt_match import (
+    ADD,
+    CONVOLUTION,
+    MUL,
+    PERMUTE,
+    RESCALE,
+    SLICE,
+    TABLE,
+    channel_vector,
+    constant_of,
+    erase_unused,
+    int32_constant_operand,
+    rescale_of,
+    shape_of,
+    single_qargs,
+)
+from etfold.backends.arm._passes.graph_utils import (
+    create_constant,
+    fresh_constant_name,
+    tensor_digest,
+)
+from etfold.backends.arm._passes.tosa_integer import (
+    INT32_MAX,
+    INT32_MIN,
+    AffineFit,
+    Rescale,
+    fit_exact_integer_affine,
+    fits_int32,
+)
+from etfold.decisions import Declined, record_applied, record_declined
+
+FOLD = "arm.dyt_affine_into_conv"
+
+
+# --- reading the site ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One op of the chain from the TABLE to the conv input, in execution order."""
+
+    node: Node
+    rescale: Rescale | None = None  # a RESCALE step
+    op: object = None  # MUL or ADD
+    constant: torch.Tensor | None = None  # int64 operand values, own shape
+    constant_nodes: tuple[Node, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Permute/slice nodes between the chain output and the conv, conv first."""
+
+    nodes: tuple[Node, ...]
+    chain_axis: int  # the axis of the chain's tensors that becomes the conv's channel axis
+    channel_index: torch.Tensor | None  # conv input channel -> chain channel (None: identity)
+    permutes: int
+    slices: int
+
+
+@dataclass(frozen=True)
+class _Site:
+    conv: Node
+    layout: _Layout
+    output: Node  # the int8 RESCALE whose codes the conv reads
+    table: Node
+    steps: tuple[_Step, ...]
+
+
+def _layout(conv: Node) -> _Layout | None:
+    node = conv.args[0]
+    nodes: list[Node] = []
+    axis = 1
+    index: torch.Tensor | None = None
+    permutes = slices = 0
+    while isinstance(node, Node) and node.op == "call_function" and node.target in (PERMUTE, SLICE):
+        shape = shape_of(node)
+        if shape is None or not isinstance(node.args[0], Node):
+            return None
+        if node.target == PERMUTE:
+            permutes += 1
+            axis = list(node.args[1])[axis] % len(shape)
+        else:
+            slices += 1
+            dim = int(node.args[1]) if len(node.args) > 1 else 0
+            source_shape = shape_of(node.args[0])
+            if source_shape is None:
+                return None
+            if dim % len(shape) == axis:
+                start, end, step = (list(node.args[2:5]) + [None, None, 1])[:3]
+                kept = torch.arange(source_shape[axis])[slice(start, end, step)]
+                index = kept if index is None else kept[index]
+        nodes.append(node)
+        node = node.args[0]
+    if not isinstance(node, Node):
+        return None
+    return _Layout(tuple(nodes), axis, index, permutes, slices)
+
+
+def _chain(
+    output: Node, exported_program: ExportedProgram
+) -> tuple[Node, tuple[_Step, ...]] | None:
+    steps: list[_Step] = []
+    node = output
+    while isinstance(node, Node) and node.op == "call_function" and node.target != TABLE:
+        if node.target == RESCALE:
+            rescale = rescale_of(node)
+            if rescale is None:
+                return None
+            steps.append(_Step(node, rescale=rescale))
+            node = node.args[0]
+        elif node.target in (MUL, ADD):
+            if node.target == ADD and node.kwargs.get("alpha", 1) != 1:
+                return None
+            operands = [a for a in node.args[:2] if isinstance(a, Node)]
+            if len(operands) != 2:
+                return None
+            constants = [int32_constant_operand(exported_program, a) for a in operands]
+            if sum(c is not None for c in constants) != 1:
+                return None
+            k = 0 if constants[0] is not None else 1
+            constant = constants[k]
+            steps.append(
+                _Step(
+                    node,
+                    op=node.target,
+                    constant=constant.values,
+                    constant_nodes=(*constant.nodes, constant.source),
+                )
+            )
+            node = operands[1 - k]
+        else:
+            return None
+    if not isinstance(node, Node) or node.target != TABLE:
+        return None
+    steps.reverse()
+    return node, tuple(steps)
+
+
+def _site(exported_program: ExportedProgram, conv: Node) -> _Site | None:
+    if conv.op != "call_function" or conv.target != CONVOLUTION or len(conv.args) < 9:
+        return None
+    layout = _layout(conv)
+    if layout is None:
+        return None
+    output = layout.nodes[-1].args[0] if layout.nodes else conv.args[0]
+    if rescale_of(output) is None:
+        return None
+    found = _chain(output, exported_program)
+    if found is None:
+        return None
+    table, steps = found
+    if not any(s.op is not None for s in steps):
+        return None
+    return _Site(conv, layout, output, table, steps)
+
+
+# --- predicates: each answers a reason, or None when it holds -------------------
+
+
+def conv_is_plain(site: _Site) -> str | None:
+    if bool(site.conv.args[6]):
+        return "the conv is transposed"
+    if not isinstance(site.conv.args[8], int) or site.conv.args[8] < 1:
+        return "the conv's groups are not a constant integer"
+    return None
+
+
+def layout_is_unambiguous(site: _Site) -> str | None:
+    if site.layout.permutes > 1 or site.layout.slices > 1:
+        return (
+            f"ambiguous layout provenance: {site.layout.permutes} permutes and {site.layout.slices} slices "
+            "between the affine and the conv (at most one of each)"
+        )
+    return None
+
+
+def layout_is_exclusive(site: _Site) -> str | None:
+    """The conv's permute/slice must serve only it: they will carry TABLE codes."""
+    readers = [site.conv, *site.layout.nodes][: len(site.layout.nodes)]
+    for node, reader in zip(site.layout.nodes, readers, strict=True):
+        if set(node.users) != {reader}:
+            return "the conv input is shared: its permute/slice has other users"
+    return None
+
+
+def table_is_int8_constant(exported_program: ExportedProgram, site: _Site) -> str | None:
+    values = constant_of(exported_program, site.table.args[1]) if len(site.table.args) > 1 else None
+    if values is None or values.dtype != torch.int8 or values.numel() != 256:
+        return "unsupported constant: the TABLE values are not a 256-entry int8 constant"
+    return None
+
+
+def quantization_lines_up(site: _Site) -> str | None:
+    table_qargs = single_qargs(site.table, "output_qparams")
+    first = site.steps[0]
+    if table_qargs is None or table_qargs.dtype != torch.int8:
+        return "quantization metadata mismatch: the TABLE output is not int8 per-tensor"
+    if first.rescale is None or first.rescale.input_zp != table_qargs.get_zp_per_tensor():
+        return "quantization metadata mismatch: the TABLE zero point is not the chain's input zero point"
+    final = site.steps[-1].rescale
+    if final is None or final.output_dtype != torch.int8:
+        return "quantization metadata mismatch: the affine output is not an int8 RESCALE"
+    conv_in = (site.conv.meta.get("input_qparams") or {}).get(0)
+    weight_q = (site.conv.meta.get("input_qparams") or {}).get(1)
+    if not isinstance(conv_in, QuantArgs) or conv_in.per_channel or conv_in.dtype != torch.int8:
+        return "quantization metadata mismatch: the conv input is not int8 per-tensor"
+    if not isinstance(weight_q, QuantArgs) or weight_q.dtype != torch.int8:
+        return "quantization metadata mismatch: the conv weight is not int8"
+    if weight_q.per_channel and weight_q.axis != 0:
+        return "quantization metadata mismatch: the conv weight is not quantized per output channel"
+    return None
+
+
+def conv_zero_point_matches(site: _Site) -> str | None:
+    conv_in = site.conv.meta["input_qparams"][0]
+    if conv_in.get_zp_per_tensor() != site.steps[-1].rescale.output_zp:
+        return (
+            f"conv input zero point {conv_in.get_zp_per_tensor()} differs from the affine output "
+            f"zero point {site.steps[-1].rescale.output_zp}"
+        )
+    return None
+
+
+def table_shape_is_conv_shape(site: _Site) -> str | None:
+    table_shape, output_shape = shape_of(site.table), shape_of(site.output)
+    if table_shape is None or table_shape != output_shape or len(table_shape) != 4:
+        return "unsupported layout: the TABLE output is broadcast by the affine or is not rank 4"
+    return None
+
+
+def constants_broadcast_along_channels(site: _Site, channels: int) -> list[torch.Tensor] | str:
+    vectors = []
+    for step in site.steps:
+        if step.op is None:
+            continue
+        vector = channel_vector(step.constant, 4, site.layout.chain_axis, channels)
+        if vector is None:
+            return "unsupported layout: a gamma/beta constant varies along a non-channel axis"
+        vectors.append(vector)
+    return vectors
+
+
+@dataclass(frozen=True)
+class _Evaluation:
+    codes: torch.Tensor  # int64 [n], the distinct codes the TABLE emits
+    boundaries: tuple[
+        tuple[int, torch.Tensor], ...
+    ]  # (step index, int8 codes [n, C]) after each int8 RESCALE
+    clamped: bool
+
+
+def evaluate_chain(
+    site: _Site, table_values: torch.Tensor, vectors: list[torch.Tensor], channels: int
+) -> _Evaluation | str:
+    """Run the chain on every code the TABLE emits, per channel, as TOSA would."""
+    codes = torch.unique(table_values.to(torch.int64))
+    values = codes[:, None].expand(-1, channels)
+    vector_iter = iter(vectors)
+    boundaries = []
+    clamped = False
+    for index, step in enumerate(site.steps):
+        if step.rescale is not None:
+            if not step.rescale.in_range(values):
+                return (
+                    "saturating map: a RESCALE input or result leaves the int32 range TOSA requires"
+                )
+            low, high = (
+                torch.iinfo(step.rescale.output_dtype).min,
+                torch.iinfo(step.rescale.output_dtype).max,
+            )
+            values = step.rescale.apply(values)
+            if step.rescale.output_dtype == torch.int8:
+                clamped = clamped or bool(((values == low) | (values == high)).any())
+                boundaries.append((index, values))
+        else:
+            vector = next(vector_iter)[None, :]
+            values = values * vector if step.op == MUL else values + vector
+            if not fits_int32(values):
+                return "saturating map: the int32 gamma/beta arithmetic overflows"
+    return _Evaluation(codes, tuple(boundaries), clamped)
+
+
+def map_is_exactly_affine(
+    site: _Site, evaluation: _Evaluation, read: torch.Tensor
+) -> AffineFit | str:
+    z_t = site.steps[0].rescale.input_zp
+    z_y = site.steps[-1].rescale.output_zp
+    fit = fit_exact_integer_affine(evaluation.codes - z_t, evaluation.boundaries[-1][1] - z_y)
+    bad = (~fit.exact[read]).nonzero().reshape(-1)
+    if bad.numel():
+        why = "saturating" if evaluation.clamped else "nonlinear"
+        return (
+            f"{why} map: TABLE code -> conv input code is not exactly affine on the "
+            f"{evaluation.codes.numel()} codes the TABLE emits ({bad.numel()} of {read.numel()} channels)"
+        )
+    return fit
+
+
+def padding_keeps_one_bias(site: _Site, fit: AffineFit, read: torch.Tensor) -> str | None:
+    padding = site.conv.args[4]
+    padded = not isinstance(padding, (list, tuple)) or any(p != 0 for p in padding)
+    if padded and bool((fit.offsets[read] != 0).any()):
+        return "padded conv: beta's contribution at the border is not one bias"
+    return None
+
+
+@dataclass(frozen=True)
+class _Conv:
+    weight_node: Node
+    bias_node: Node
+    weight: torch.Tensor
+    bias: torch.Tensor
+    global_channels: torch.Tensor  # [O, I/g] chain channel read by weight[o, i]
+
+
+def conv_constants_supported(
+    exported_program: ExportedProgram, site: _Site, channels: int
+) -> _Conv | str:
+    weight_node, bias_node = site.conv.args[1], site.conv.args[2]
+    weight = constant_of(exported_program, weight_node)
+    bias = constant_of(exported_program, bias_node)
+    if weight is None or weight.dtype != torch.int8 or weight.dim() != 4:
+        return "unsupported constant: the conv weight is not a constant int8 4-D tensor"
+    if bias is None or bias.dtype != torch.int32 or bias.shape != (weight.shape[0],):
+        return "unsupported constant: the conv bias is not a constant int32 vector"
+    groups = site.conv.args[8]
+    out_channels, per_group = weight.shape[0], weight.shape[1]
+    conv_in_channels = per_group * groups
+    available = channels if site.layout.channel_index is None else site.layout.channel_index.numel()
+    if out_channels % groups or conv_in_channels != available:
+        return "unsupported layout: the conv's input channels do not line up with the affine's channels"
+    group_of_output = torch.arange(out_channels) // (out_channels // groups)
+    conv_channels = group_of_output[:, None] * per_group + torch.arange(per_group)[None, :]
+    chain_channels = (
+        conv_channels
+        if site.layout.channel_index is None
+        else site.layout.channel_index[conv_channels]
+    )
+    return _Conv(weight_node, bias_node, weight, bias, chain_channels)
+
+
+def _weight_zero_points(site: _Site, out_channels: int) -> torch.Tensor:
+    weight_q = site.conv.meta["input_qparams"][1]
+    if weight_q.per_channel:
+        return torch.tensor(weight_q.get_zp_per_channel(), dtype=torch.int64).reshape(
+            out_channels, 1, 1, 1
+        )
+    return torch.tensor(weight_q.get_zp_per_tensor(), dtype=torch.int64)
+
+
+def folded_constants_fit(
+    site: _Site, conv: _Conv, fit: AffineFit
+) -> tuple[torch.Tensor, torch.Tensor] | str:
+    weight_q = site.conv.meta["input_qparams"][1]
+    zero = _weight_zero_points(site, conv.weight.shape[0])
+    centered = conv.weight.to(torch.int64) - zero
+    slopes = fit.slopes[conv.global_channels][:, :, None, None]
+    offsets = fit.offsets[conv.global_channels][:, :, None, None]
+    weight = centered * slopes + zero
+    if int(weight.min()) < weight_q.qmin or int(weight.max()) > weight_q.qmax:
+        return f"folded int8 weights leave [{weight_q.qmin}, {weight_q.qmax}] (slopes up to {int(fit.slopes.abs().max())})"
+    bias = conv.bias.to(torch.int64) + (centered * offsets).sum(dim=(1, 2, 3))
+    if int(bias.min()) < INT32_MIN or int(bias.max()) > INT32_MAX:
+        return "the folded int32 bias overflows"
+    return weight.to(torch.int8), bias.to(torch.int32)
+
+
+def identity_prefix(site: _Site, evaluation: _Evaluation) -> Node | None:
+    """The last int8 RESCALE of the chain whose codes equal the TABLE's, if any."""
+    z_t = site.steps[0].rescale.input_zp
+    best = None
+    for index, codes in evaluation.boundaries[:-1]:
+        step = site.steps[index]
+        if step.rescale.output_zp == z_t and bool((codes == evaluation.codes[:, None]).all()):
+            best = step.node
+    return best
+
+
+# --- match / rewrite ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AffineIntoConvMatch:
+    conv: Node
+    table: Node
+    output: Node  # replaced by the TABLE as the conv's (layout's) input
+    layout: tuple[Node, ...]
+    weight_node: Node
+    bias_node: Node
+    weight: torch.Tensor
+    bias: torch.Tensor
+    removed: tuple[Node, ...]  # chain nodes and constants, consumers first
+    slopes: torch.Tensor
+    offsets: torch.Tensor
+
+
+@dataclass(frozen=True)
+class IdentityGammaMatch:
+    """Only an identity prefix (gamma leaving codes unchanged) goes; beta stays."""
+
+    conv: Node
+    table: Node
+    prefix_end: Node
+    removed: tuple[Node, ...]
+    reason_kept: str
+
+
+def _removed(steps: tuple[_Step, ...]) -> tuple[Node, ...]:
+    nodes: list[Node] = []
+    for step in reversed(steps):
+        nodes.append(step.node)
+        nodes.extend(step.constant_nodes)
+    return tuple(nodes)
+
+
+def match_affine_into_conv(
+    exported_program: ExportedProgram, conv: Node
+) -> AffineIntoConvMatch | IdentityGammaMatch | Declined | None:
+    """None: no TABLE -> gamma/beta -> conv site. Declined: a site that must not fold."""
+    site = _site(exported_program, conv)
+    if site is None:
+        return None
+    for predicate in (
+        conv_is_plain,
+        layout_is_unambiguous,
+        layout_is_exclusive,
+        quantization_lines_up,
+    ):
+        if reason := predicate(site):
+            return Declined(reason)
+    if reason := table_is_int8_constant(exported_program, site):
+        return Declined(reason)
+    for predicate in (conv_zero_point_matches, table_shape_is_conv_shape):
+        if reason := predicate(site):
+            return Declined(reason)
+    channels = shape_of(site.table)[site.layout.chain_axis]
+    vectors = constants_broadcast_along_channels(site, channels)
+    if isinstance(vectors, str):
+        return Declined(vectors)
+    conv_constants = conv_constants_supported(exported_program, site, channels)
+    if isinstance(conv_constants, str):
+        return Declined(conv_constants)
+    table_values = constant_of(exported_program, site.table.args[1])
+    evaluation = evaluate_chain(site, table_values, vectors, channels)
+    if isinstance(evaluation, str):
+        return Declined(evaluation)
+    read = torch.unique(conv_constants.global_channels)
+    fit = map_is_exactly_affine(site, evaluation, read)
+    reason = fit if isinstance(fit, str) else padding_keeps_one_bias(site, fit, read)
+    if reason:
+        prefix_end = identity_prefix(site, evaluation)
+        if prefix_end is None:
+            return Declined(reason)
+        end = [s.node for s in site.steps].index(prefix_end)
+        return IdentityGammaMatch(
+            conv, site.table, prefix_end, _removed(site.steps[: end + 1]), reason
+        )
+    folded = folded_constants_fit(site, conv_constants, fit)
+    if isinstance(folded, str):
+        return Declined(folded)
+    weight, bias = folded
+    return AffineIntoConvMatch(
+        conv=conv,
+        table=site.table,
+        output=site.output,
+        layout=site.layout.nodes,
+        weight_node=conv_constants.weight_node,
+        bias_node=conv_constants.bias_node,
+        weight=weight,
+        bias=bias,
+        removed=_removed(site.steps),
+        slopes=fit.slopes[read],
+        offsets=fit.offsets[read],
+    )
+
+
+def _fresh_constant(
+    graph_module: GraphModule,
+    exported_program: ExportedProgram,
+    original: Node,
+    conv: Node,
+    data: torch.Tensor,
+) -> Node:
+    base = f"{original.name}_dyt_folded_for_{conv.name}"
+    name = fresh_constant_name(
+        graph_module, exported_program, [base, f"{base}_{tensor_digest(data)}"]
+    )
+    return create_constant(graph_module, exported_program, like=original, name=name, data=data)
+
+
+def rewrite_affine_into_conv(
+    exported_program: ExportedProgram, graph_module: GraphModule, match: AffineIntoConvMatch
+) -> None:
+    graph = graph_module.graph
+    conv = match.conv
+    weight_node, bias_node = match.weight_node, match.bias_node
+    if not torch.equal(match.weight, constant_of(exported_program, weight_node)):
+        weight_node = _fresh_constant(
+            graph_module, exported_program, weight_node, conv, match.weight
+        )
+    if not torch.equal(match.bias, constant_of(exported_program, bias_node)):
+        bias_node = _fresh_constant(graph_module, exported_program, bias_node, conv, match.bias)
+    reader = match.layout[-1] if match.layout else conv
+    conv.args = (conv.args[0], weight_node, bias_node, *conv.args[3:])
+    table_qargs = single_qargs(match.table, "output_qparams")
+    reader.replace_input_with(match.output, match.table)
+    node = conv.args[0]
+    while node is not match.table:  # layout nodes now carry TABLE codes
+        node.meta["input_qparams"] = {0: table_qargs}
+        node.meta["output_qparams"] = {0: table_qargs}
+        node = node.args[0]
+    # The integer accumulator is unchanged, so the conv keeps its input scale;
+    # only the zero point it subtracts is now the TABLE's.
+    conv_qparams = dict(conv.meta["input_qparams"])
+    conv_qparams[0] = conv_qparams[0]._replace(zp=table_qargs.get_zp_per_tensor())
+    conv.meta["input_qparams"] = conv_qparams
+    erase_unused(
+        graph_module, exported_program, (*match.removed, match.weight_node, match.bias_node)
+    )
+
+
+def rewrite_identity_gamma(
+    graph_module: GraphModule, exported_program: ExportedProgram, match: IdentityGammaMatch
+) -> None:
+    match.prefix_end.replace_all_uses_with(match.table)
+    erase_unused(graph_module, exported_program, match.removed)
+
+
+class FoldDyTAffineIntoConvPass(ArmPass):
+    """`conv(f(TABLE))` with f exactly affine per channel -> `conv'(TABLE)`; see the module docstring."""
+
+    _passes_required_after: set[type[ExportPass]] = set()
+
+    def __init__(self, exported_program: ExportedProgram | None = None) -> None:
+        super().__init__()
+        # ArmPassManager's adapter sets this to the program being lowered.
+        self.exported_program = exported_program
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        modified = False
+        for node in list(graph_module.graph.nodes):
+            match = match_affine_into_conv(self.exported_program, node)
+            if match is None:
+                continue
+            if isinstance(match, Declined):
+                record_declined(FOLD, node.name, match.reason)
+            elif isinstance(match, IdentityGammaMatch):
+                rewrite_identity_gamma(graph_module, self.exported_program, match)
+                record_applied(
+                    FOLD, node.name, f"removed the identity gamma, kept beta ({match.reason_kept})"
+                )
+                modified = True
+            else:
+                rewrite_affine_into_conv(self.exported_program, graph_module, match)
+                record_applied(
+                    FOLD,
+                    node.name,
+                    f"gamma/beta folded into conv weight and bias (slopes {sorted(set(match.slopes.tolist()))}, "
+                    f"{int((match.offsets != 0).sum())} channels with an offset)",
+                )
+                modified = True
+        if modified:
+            graph_module.graph.lint()
+            graph_module.recompile()
+            # Retrace so every rewired node's fake value carries the int8 codes it now holds.
+            graph_module = super().call(graph_module).graph_module
+        return PassResult(graph_module, modified)
