@@ -1,5 +1,7 @@
 """etfold's exir additions."""
 
+from etfold.exir.emit.external_constants import ExternalConstantCollisionError
+from etfold.exir.passes.constant_prop_pass import constant_prop_pass
 from etfold.exir.program.lower import to_edge_transform_and_lower
 
-__all__ = ["to_edge_transform_and_lower"]
+__all__ = ["ExternalConstantCollisionError", "constant_prop_pass", "to_edge_transform_and_lower"]

@@ -107,7 +107,8 @@ def _packet_name(target) -> str | None:
 
 
 def is_impure(node: torch.fx.Node) -> bool:
-    return node.is_impure()
+    """Side effects (mutation, asserts, prints); randomness is `is_nondeterministic`."""
+    return node.is_impure(impure_random=False)
 
 
 def is_nondeterministic(node: torch.fx.Node) -> bool:
@@ -130,10 +131,6 @@ def is_custom_skip_target(node: torch.fx.Node, skip: Collection) -> bool:
     return node.target in skip or underlying_op(node.target) in skip
 
 
-def is_higher_order(node: torch.fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.HigherOrderOperator)
-
-
 def _target_decline(node: torch.fx.Node, custom_skip_targets: Collection | None) -> str | None:
     if is_impure(node):
         return "impure op"
@@ -141,8 +138,6 @@ def _target_decline(node: torch.fx.Node, custom_skip_targets: Collection | None)
         return "nondeterministic op (nondeterministic_seeded)"
     if allocates_memory(node):
         return "memory allocation op"
-    if is_higher_order(node):
-        return "higher-order op (control flow)"
     if custom_skip_targets is not None:
         if is_custom_skip_target(node, custom_skip_targets):
             return "in custom_skip_targets"
@@ -391,7 +386,9 @@ def match_constant_folds(
             kind, target, persistent = InputKind.CONSTANT_TENSOR, None, True
         ops_folded = expression.count("\n") - len(leaves)
         if register_like_source and _name_taken_by_other_data(ep, target, tensor):
-            return Declined(f"{target} already names a constant with different data")
+            declined = Declined(f"{target} already names a constant with different data")
+            record_declined(FOLD, node.name, declined.reason)
+            return declined
         materialize.append(
             Materialization(
                 node=node,
@@ -550,10 +547,10 @@ def rewrite_constant_folds(
         placeholder = by_target.get(target)
         if placeholder is None:
             _register(ep, fold.kind, target, fold.persistent, fold.tensor)
+            name = target if fold.target is None else _placeholder_name(fold.kind, target)
             with _insertion_point(ep, kinds, fold.kind):
-                placeholder = graph.placeholder(
-                    target if fold.target is None else _placeholder_name(fold.kind, target)
-                )
+                placeholder = graph.create_node("placeholder", name, name=name)
+            placeholder.target = placeholder.name  # the graph namespace may have renamed it
             if fold.target is None:
                 placeholder.meta.update(fold.node.meta)
             elif fold.custom is not None:

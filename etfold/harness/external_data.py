@@ -1,0 +1,52 @@
+"""Run programs whose constants live in external `.ptd` files.
+
+The runtime in the wheel takes one data map per program, so several `.ptd` files
+(one per external tag) are merged into one FlatTensor blob first: the keys of a
+program never repeat across its files, so the merge is a plain union.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from executorch.exir import ExecutorchProgramManager
+from executorch.exir._serialize._cord import Cord
+from executorch.exir._serialize.data_serializer import DataEntry, DataPayload
+from executorch.extension.flat_tensor.serialize.serialize import FlatTensorSerializer
+
+ALIGNMENT = 64
+
+
+def data_files(executorch: ExecutorchProgramManager) -> dict[str, bytes]:
+    """`{tag: .ptd bytes}` as `write_tensor_data_to_file` would write them (file = tag + ".ptd")."""
+    return {tag: bytes(cord) for tag, cord in executorch._tensor_data.items()}
+
+
+def data_keys(blob: bytes) -> set[str]:
+    return set(FlatTensorSerializer().deserialize(Cord(blob)).named_data)
+
+
+def merged_data_map(blobs: Sequence[bytes]) -> bytes:
+    buffers: list[bytes] = []
+    named: dict[str, DataEntry] = {}
+    serializer = FlatTensorSerializer()
+    for blob in blobs:
+        payload = serializer.deserialize(Cord(blob))
+        offset = len(buffers)
+        buffers.extend(bytes(b) for b in payload.buffers)
+        for key, entry in payload.named_data.items():
+            if key in named:
+                raise ValueError(f"key {key!r} appears in more than one data file")
+            named[key] = DataEntry(entry.buffer_index + offset, ALIGNMENT, entry.tensor_layout)
+    return bytes(serializer.serialize(DataPayload(buffers=buffers, named_data=named)))
+
+
+def load_with_data(pte: bytes, files: Mapping[str, bytes] | Sequence[bytes]) -> Any:
+    """The runtime module for `pte` with every data file attached."""
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+
+    blobs = list(files.values()) if isinstance(files, Mapping) else list(files)
+    if not blobs:
+        return _load_for_executorch_from_buffer(pte)
+    return _load_for_executorch_from_buffer(pte, merged_data_map(blobs))
