@@ -1,0 +1,129 @@
+"""Which copies are pure float dtype converts that XNNPACK can run.
+
+    _to_dim_order_copy(x, dtype=d)      (dim order of x kept)
+    _to_copy(x, dtype=d)                (memory format of x kept)
+      == convert(x, d)                  when {dtype(x), d} is {fp32, fp16} or {fp32, bf16}
+
+`convert` is XNNPACK's element-wise convert node: round to nearest even,
+layout untouched. The partitioner configs and the preprocess rewrite both ask
+`match_dtype_convert`, so they accept exactly the same nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from executorch.exir.dialects._ops import ops as exir_ops
+from torch.export import ExportedProgram
+
+from etfold.decisions import Declined
+
+FOLD = "xnnpack.delegate_dtype_convert"
+
+TO_DIM_ORDER_COPY = exir_ops.edge.dim_order_ops._to_dim_order_copy.default
+TO_COPY = exir_ops.edge.aten._to_copy.default
+COPY_TARGETS = (TO_DIM_ORDER_COPY, TO_COPY)
+
+# What a matched copy becomes inside an etfold-marked delegate: the op that
+# means exactly "element-wise dtype convert, layout preserved". Upstream's
+# preprocess passes special-case only `_to_copy`, so this op gets their generic
+# treatment (its layout follows its input; never removed as a redundant copy).
+CONVERT_TARGET = exir_ops.edge.prims.convert_element_type.default
+
+NARROW_FLOATS = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class DtypeConvert:
+    node: torch.fx.Node
+    source: torch.dtype
+    target: torch.dtype
+
+    def describe(self) -> str:
+        return f"{_short(self.source)} -> {_short(self.target)}"
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensor_meta(node: torch.fx.Node) -> torch.Tensor | None:
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def is_copy(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in COPY_TARGETS
+
+
+def has_tensor_meta(node: torch.fx.Node) -> bool:
+    return _tensor_meta(node) is not None and _tensor_meta(node.args[0]) is not None
+
+
+def changes_dtype(node: torch.fx.Node) -> bool:
+    return _tensor_meta(node).dtype != _tensor_meta(node.args[0]).dtype
+
+
+def is_fp32_pair(source: torch.dtype, target: torch.dtype) -> bool:
+    """One side fp32, the other fp16 or bf16."""
+    return (source == torch.float32 and target in NARROW_FLOATS) or (
+        target == torch.float32 and source in NARROW_FLOATS
+    )
+
+
+def _requested_layout_matches(node: torch.fx.Node, source: torch.Tensor) -> bool:
+    if node.target == TO_DIM_ORDER_COPY:
+        requested = node.kwargs.get("dim_order")
+        return requested is None or tuple(requested) == tuple(source.dim_order())
+    memory_format = node.kwargs.get("memory_format")
+    if memory_format in (None, torch.preserve_format):
+        return True
+    return source.is_contiguous(memory_format=memory_format)
+
+
+def keeps_layout(node: torch.fx.Node) -> bool:
+    """The copy asks for the layout its input already has, and its output has it."""
+    source, result = _tensor_meta(node.args[0]), _tensor_meta(node)
+    return _requested_layout_matches(node, source) and tuple(result.dim_order()) == tuple(
+        source.dim_order()
+    )
+
+
+def reads_user_input(node: torch.fx.Node, program: ExportedProgram) -> bool:
+    """Some user input reaches `node`: it converts an activation, not a constant."""
+    user_inputs = set(program.graph_signature.user_inputs)
+    seen: set[torch.fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op == "placeholder" and current.name in user_inputs:
+            return True
+        stack.extend(current.all_input_nodes)
+    return False
+
+
+def match_dtype_convert(node: torch.fx.Node) -> DtypeConvert | Declined:
+    """Structure only: whether `node` is a float convert XNNPACK runs as is.
+
+    Whether its input is an activation is a question about the whole program
+    (`reads_user_input`), asked by the partitioner config.
+    """
+    if not is_copy(node):
+        return Declined("not a _to_copy or _to_dim_order_copy")
+    if not has_tensor_meta(node):
+        return Declined("no tensor metadata on the copy or its input")
+    source, target = _tensor_meta(node.args[0]).dtype, _tensor_meta(node).dtype
+    if not changes_dtype(node):
+        return Declined("the copy keeps its dtype")
+    if not is_fp32_pair(source, target):
+        return Declined(
+            f"{_short(source)} -> {_short(target)}: only converts to or from float32 "
+            "are delegated (fp16 <-> bf16 stays outside)"
+        )
+    if not keeps_layout(node):
+        return Declined("the copy changes dtype and layout at once")
+    return DtypeConvert(node, source, target)
