@@ -9,11 +9,15 @@ Drop-in: the same constructor arguments as upstream's, plus
 
 from __future__ import annotations
 
+from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
     XnnpackPartitioner as UpstreamXnnpackPartitioner,
 )
+from executorch.exir.backend.partitioner import DelegationSpec, PartitionResult
 from torch.export import ExportedProgram
 
+from etfold.backends.xnnpack.install import DTYPE_CONVERTS_SPEC, install
+from etfold.backends.xnnpack.partition.config.convert_config import with_dtype_convert_configs
 from etfold.backends.xnnpack.partition.weight_fold import fold_gemm_weights, seed_slots
 
 
@@ -29,9 +33,13 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         delegate_dtype_converts: bool = True,
         **kwargs,
     ):
+        if delegate_dtype_converts:
+            configs = self._dtype_convert_configs(configs)
         super().__init__(configs, config_precisions, per_op_mode, verbose, **kwargs)
         self.fold_weights = fold_weights
         self.delegate_dtype_converts = delegate_dtype_converts
+        if delegate_dtype_converts:
+            self._mark_for_dtype_converts()
 
     # ---- weight fold (issue 4): parameter-only GEMM weights become static before partitioning
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
@@ -42,3 +50,22 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         return fold_gemm_weights(exported_program, slots)
 
     # ---- end weight fold
+
+    # ---- dtype converts (issue 5): fp32 <-> fp16/bf16 converts of activations join delegates
+    @staticmethod
+    def _dtype_convert_configs(configs):
+        return with_dtype_convert_configs(list(configs or ALL_PARTITIONER_CONFIGS))
+
+    def _mark_for_dtype_converts(self) -> None:
+        """The compile spec tells etfold's preprocess wrapper to rewrite converts in this delegate."""
+        spec = self.delegation_spec
+        self.delegation_spec = DelegationSpec(
+            spec.backend_id, [*spec.compile_specs, DTYPE_CONVERTS_SPEC]
+        )
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        if self.delegate_dtype_converts:
+            install()  # idempotent; marked delegates must never reach an unwrapped preprocess
+        return super().partition(exported_program)
+
+    # ---- end dtype converts
