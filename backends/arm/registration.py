@@ -78,6 +78,8 @@ class ArmPassInsertion:
 
 _SCALAR_MUL = "etfold.backends.arm._passes.fold_scalar_mul_into_conv_pass:FoldScalarMulIntoConvPass"
 
+_DYT = "etfold.backends.arm._passes."
+
 # The one place to add an etfold Arm pass.
 ARM_PASS_INSERTIONS: tuple[ArmPassInsertion, ...] = (
     # upstream runs its scalar-mul fold in both pipelines; ours takes exactly its slots
@@ -93,6 +95,29 @@ ARM_PASS_INSERTIONS: tuple[ArmPassInsertion, ...] = (
         lazy_pass(_SCALAR_MUL),
         anchor="RewriteConvPass",
         position="before",
+        pipeline="backend",
+    ),
+    # DyT: gamma/beta into the next conv in fp32 before calibration; then, on the
+    # integer graph, alpha into the tanh TABLE and any remaining exact affine into the conv
+    ArmPassInsertion(
+        "arm.dyt_affine_into_conv_float",
+        lazy_pass(_DYT + "fold_dyt_affine_into_conv_float_pass:FoldDyTAffineIntoConvFloatPass"),
+        anchor="FoldScalarMulIntoConvPass",
+        position="after",
+        pipeline="annotation",
+    ),
+    ArmPassInsertion(
+        "arm.dyt_alpha_into_lut",
+        lazy_pass(_DYT + "fold_dyt_alpha_into_lut_pass:FoldDyTAlphaIntoLUTPass"),
+        anchor="InsertTableOpsPass",
+        position="before",
+        pipeline="backend",
+    ),
+    ArmPassInsertion(
+        "arm.dyt_affine_into_conv",
+        lazy_pass(_DYT + "fold_dyt_affine_into_conv_pass:FoldDyTAffineIntoConvPass"),
+        anchor="InsertTableOpsPass",
+        position="after",
         pipeline="backend",
     ),
 )

@@ -53,10 +53,7 @@ class DyTConv(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.nhwc:
-            x = self.dyt(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-        else:
-            x = self.dyt(x)
+        x = self.dyt(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2) if self.nhwc else self.dyt(x)
         return self.conv(x)
 
 

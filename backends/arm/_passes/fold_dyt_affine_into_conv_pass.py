@@ -526,7 +526,6 @@ def _fresh_constant(
 def rewrite_affine_into_conv(
     exported_program: ExportedProgram, graph_module: GraphModule, match: AffineIntoConvMatch
 ) -> None:
-    graph = graph_module.graph
     conv = match.conv
     weight_node, bias_node = match.weight_node, match.bias_node
     if not torch.equal(match.weight, constant_of(exported_program, weight_node)):

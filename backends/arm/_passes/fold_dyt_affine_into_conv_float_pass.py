@@ -1,0 +1,403 @@
+"""Fold DyT's gamma/beta into the following conv in fp32, before calibration.
+
+Given (gamma, beta constant per channel c; L at most one permute; conv groups g,
+weight W[o, i, kh, kw] reading channel c(o, i)):
+
+    u = gamma * tanh(alpha * x) + beta
+    y = conv(L(u), W, b)
+
+Result, unpadded conv:
+
+    y = conv(L(tanh(alpha * x)), W * gamma[c(o, i)], b + sum_{i,kh,kw} W[o, i, kh, kw] * beta[c(o, i)])
+
+Result, padded conv (a zero-padded border sees no beta, so beta stays before it):
+
+    y = conv(L(tanh(alpha * x) + beta / gamma), W * gamma[c(o, i)], b)
+
+Both are exact in real arithmetic. The quantizer then calibrates the folded
+graph: the MUL (and, unpadded, the ADD) with their int8 requantizations are
+gone, and the conv reads the tanh's own well-conditioned [-1, 1] range.
+
+Declines where folding would hurt int8 quantization: per-output-channel weight
+quantization gives all input channels of one output channel one scale, so a
+gamma spread (largest |gamma| / smallest nonzero |gamma| among the channels an
+output channel reads) above MAX_GAMMA_SPREAD costs the small-gamma channels
+more than log2(MAX_GAMMA_SPREAD) bits of weight precision; and, padded, a
+|beta / gamma| above MAX_SHIFT widens the tanh's range by more than that factor.
+Runs in the Arm annotation pipeline (on the ATen graph, constants as get_attr).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from executorch.backends.arm._passes.arm_pass import ArmPass
+from executorch.exir.pass_base import ExportPass, PassResult
+from torch.fx import GraphModule, Node
+
+from etfold.backends.arm._passes.graph_utils import (
+    constant_tensor,
+    create_constant,
+    delete_constant_if_unused,
+    fresh_constant_name,
+)
+from etfold.decisions import Declined, record_applied, record_declined
+
+FOLD = "arm.dyt_affine_into_conv_float"
+
+MAX_GAMMA_SPREAD = 8.0
+MAX_SHIFT = 4.0
+
+_aten = torch.ops.aten
+_CONVS = (_aten.conv2d.default, _aten.convolution.default)
+_PERMUTES = (_aten.permute.default, _aten.permute_copy.default)
+_LAYOUT_OTHER = (
+    _aten.slice.Tensor,
+    _aten.slice_copy.Tensor,
+    _aten.view.default,
+    _aten.reshape.default,
+    _aten.transpose.int,
+)
+_MULS = (_aten.mul.Tensor,)
+_ADDS = (_aten.add.Tensor,)
+_TANH = (_aten.tanh.default,)
+
+
+@dataclass(frozen=True)
+class _Conv:
+    node: Node
+    weight_node: Node
+    bias_node: Node | None
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    padding: tuple[int, ...]
+    groups: int
+
+
+@dataclass(frozen=True)
+class _Site:
+    conv: _Conv
+    layout: tuple[Node, ...]  # conv first
+    channel_axis: int  # axis of the affine's tensors that is the conv's channel axis
+    output: Node  # the affine's last node (what the layout / conv reads)
+    tanh: Node
+    mul: Node | None
+    add: Node | None
+    gamma_arg: object
+    beta_arg: object
+
+
+def _conv(node: Node) -> _Conv | None:
+    if node.op != "call_function" or node.target not in _CONVS:
+        return None
+    args = list(node.args)
+    if node.target == _aten.conv2d.default:
+        defaults = [None, None, None, [1, 1], [0, 0], [1, 1], 1]
+        args = args + defaults[len(args) :]
+        stride, padding, dilation, groups = args[3:7]
+        transposed = False
+    else:
+        stride, padding, dilation, transposed, _, groups = args[3:9]
+    if transposed or not isinstance(args[1], Node) or not isinstance(groups, int):
+        return None
+    padding = (padding,) * 2 if isinstance(padding, int) else padding
+    if not isinstance(padding, (list, tuple)) or not all(isinstance(p, int) for p in padding):
+        return None
+    weight = constant_tensor(args[1])
+    bias_node = args[2] if isinstance(args[2], Node) else None
+    bias = constant_tensor(bias_node) if bias_node is not None else None
+    if weight is None or weight.dim() != 4 or (bias_node is not None and bias is None):
+        return None
+    return _Conv(node, args[1], bias_node, weight, bias, tuple(padding), groups)
+
+
+def _constant_operand(node: Node) -> tuple[int, object] | None:
+    """(index of the non-constant operand, the constant) of a binary op, if one is constant."""
+    if len(node.args) < 2:
+        return None
+    for index in (0, 1):
+        other = node.args[1 - index]
+        if isinstance(other, (int, float)) and not isinstance(other, bool):
+            return index, other
+        if isinstance(other, Node) and other.op == "get_attr":
+            return index, other
+    return None
+
+
+def _site(node: Node) -> _Site | None:
+    conv = _conv(node)
+    if conv is None:
+        return None
+    layout: list[Node] = []
+    axis = 1
+    current = node.args[0]
+    while (
+        isinstance(current, Node)
+        and current.op == "call_function"
+        and (current.target in _PERMUTES or current.target in _LAYOUT_OTHER)
+    ):
+        if current.target in _PERMUTES:
+            axis = list(current.args[1])[axis] % 4
+        layout.append(current)
+        current = current.args[0]
+    if not isinstance(current, Node):
+        return None
+    output = current
+    add = mul = None
+    beta_arg = gamma_arg = None
+    if (
+        current.op == "call_function"
+        and current.target in _ADDS
+        and current.kwargs.get("alpha", 1) == 1
+    ):
+        found = _constant_operand(current)
+        if found is None:
+            return None
+        add, beta_arg = current, found[1]
+        current = current.args[found[0]]
+    if isinstance(current, Node) and current.op == "call_function" and current.target in _MULS:
+        found = _constant_operand(current)
+        if found is None:
+            return None
+        mul, gamma_arg = current, found[1]
+        current = current.args[found[0]]
+    if add is None and mul is None:
+        return None
+    if (
+        not isinstance(current, Node)
+        or current.op != "call_function"
+        or current.target not in _TANH
+    ):
+        return None
+    return _Site(conv, tuple(layout), axis, output, current, mul, add, gamma_arg, beta_arg)
+
+
+# --- predicates -----------------------------------------------------------------
+
+
+def layout_is_one_permute(site: _Site) -> str | None:
+    permutes = sum(n.target in _PERMUTES for n in site.layout)
+    if permutes > 1 or len(site.layout) != permutes:
+        return "ambiguous layout provenance: only one permute may sit between DyT and the conv"
+    return None
+
+
+def affine_feeds_only_the_conv(site: _Site) -> str | None:
+    chain = [n for n in (site.mul, site.add) if n is not None]
+    readers = [*chain[1:], *reversed(site.layout), site.conv.node]
+    for node, reader in zip([*chain, *reversed(site.layout)], readers, strict=True):
+        if set(node.users) != {reader}:
+            return "the DyT output (or its permute) has users other than the conv"
+    return None
+
+
+def _vector(arg: object, channels: int, axis: int, rank: int) -> torch.Tensor | None:
+    if arg is None:
+        return None
+    value = torch.tensor(float(arg)) if isinstance(arg, (int, float)) else constant_tensor(arg)
+    if value is None or value.dim() > rank:
+        return None
+    shape = (1,) * (rank - value.dim()) + tuple(value.shape)
+    if any(size != 1 and a != axis for a, size in enumerate(shape)) or shape[axis] not in (
+        1,
+        channels,
+    ):
+        return None
+    return value.to(torch.float64).reshape(-1).expand(channels).clone()
+
+
+def constants_are_channel_vectors(
+    site: _Site, channels: int
+) -> tuple[torch.Tensor, torch.Tensor] | str:
+    gamma = (
+        _vector(site.gamma_arg, channels, site.channel_axis, 4)
+        if site.mul
+        else torch.ones(channels, dtype=torch.float64)
+    )
+    beta = (
+        _vector(site.beta_arg, channels, site.channel_axis, 4)
+        if site.add
+        else torch.zeros(channels, dtype=torch.float64)
+    )
+    if gamma is None or beta is None:
+        return "gamma/beta are not constants varying along the conv's channel axis only"
+    if not (torch.isfinite(gamma).all() and torch.isfinite(beta).all()):
+        return "gamma/beta hold NaN or Inf"
+    return gamma, beta
+
+
+def _read_channels(conv: _Conv) -> torch.Tensor:
+    out_channels, per_group = conv.weight.shape[:2]
+    group = torch.arange(out_channels) // (out_channels // conv.groups)
+    return group[:, None] * per_group + torch.arange(per_group)[None, :]
+
+
+def channels_line_up(site: _Site, channels: int) -> str | None:
+    out_channels, per_group = site.conv.weight.shape[:2]
+    if per_group * site.conv.groups != channels or out_channels % site.conv.groups:
+        return "the conv's input channels do not line up with DyT's channels"
+    return None
+
+
+def gamma_spread_within_bound(site: _Site, gamma: torch.Tensor) -> str | None:
+    read = gamma.abs()[_read_channels(site.conv)]  # [O, I/g]
+    used = (site.conv.weight.abs().sum(dim=(2, 3)) > 0) & (read > 0)
+    if not bool(used.any()):
+        return None
+    largest = torch.where(used, read, torch.zeros_like(read)).amax(dim=1)
+    smallest = torch.where(used, read, torch.full_like(read, math.inf)).amin(dim=1)
+    spread = float((largest / smallest)[used.any(dim=1)].max().detach())
+    if spread > MAX_GAMMA_SPREAD:
+        return (
+            f"gamma spread {spread:.3g} across the input channels of one output channel exceeds "
+            f"{MAX_GAMMA_SPREAD:g}: per-channel int8 weights would lose precision"
+        )
+    return None
+
+
+def padded_beta_can_stay(
+    site: _Site, gamma: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor | str | None:
+    """None when unpadded; else beta / gamma (0 where both are 0), or why it cannot stay."""
+    if not any(site.conv.padding) or not bool((beta != 0).any()):
+        return None
+    if bool(((gamma == 0) & (beta != 0)).any()):
+        return "padded conv: beta cannot stay before the conv on a channel whose gamma is 0"
+    shifted = torch.where(gamma == 0, torch.zeros_like(beta), beta / gamma)
+    if float(shifted.abs().max()) > MAX_SHIFT:
+        return f"padded conv: |beta / gamma| up to {float(shifted.abs().max()):.3g} exceeds {MAX_SHIFT:g}"
+    return shifted
+
+
+@dataclass(frozen=True)
+class FloatAffineMatch:
+    site: _Site
+    weight: torch.Tensor
+    bias: torch.Tensor | None  # None: the bias is unchanged
+    shifted_beta: torch.Tensor | None  # padded: beta / gamma, added to the tanh
+
+
+def match_float_affine(node: Node) -> FloatAffineMatch | Declined | None:
+    site = _site(node)
+    if site is None:
+        return None
+    for predicate in (layout_is_one_permute, affine_feeds_only_the_conv):
+        if reason := predicate(site):
+            return Declined(reason)
+    value = site.output.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.dim() != 4:
+        return Declined("the DyT output is not a rank-4 tensor of known shape")
+    channels = int(value.shape[site.channel_axis])
+    if reason := channels_line_up(site, channels):
+        return Declined(reason)
+    vectors = constants_are_channel_vectors(site, channels)
+    if isinstance(vectors, str):
+        return Declined(vectors)
+    gamma, beta = vectors
+    if reason := gamma_spread_within_bound(site, gamma):
+        return Declined(reason)
+    shifted = padded_beta_can_stay(site, gamma, beta)
+    if isinstance(shifted, str):
+        return Declined(shifted)
+    conv = site.conv
+    read = _read_channels(conv)
+    weight64 = conv.weight.to(torch.float64)
+    weight = (weight64 * gamma[read][:, :, None, None]).to(conv.weight.dtype)
+    bias = None
+    if shifted is None and bool((beta != 0).any()):
+        base = (
+            conv.bias.to(torch.float64)
+            if conv.bias is not None
+            else torch.zeros(weight.shape[0], dtype=torch.float64)
+        )
+        bias = (base + (weight64 * beta[read][:, :, None, None]).sum(dim=(1, 2, 3))).to(
+            conv.weight.dtype
+        )
+    return FloatAffineMatch(site, weight, bias, shifted)
+
+
+def _shape_like(vector: torch.Tensor, axis: int, dtype: torch.dtype) -> torch.Tensor:
+    shape = [1] * 4
+    shape[axis] = vector.numel()
+    return vector.to(dtype).reshape(shape[axis:])
+
+
+def rewrite_float_affine(graph_module: GraphModule, match: FloatAffineMatch) -> None:
+    site = match.site
+    conv = site.conv
+    graph = graph_module.graph
+
+    def fresh(like: Node, stem: str, data: torch.Tensor) -> Node:
+        name = fresh_constant_name(graph_module, None, [stem, f"{stem}_for_{conv.node.name}"])
+        return create_constant(graph_module, None, like=like, name=name, data=data)
+
+    weight_node = fresh(
+        conv.weight_node, f"{conv.weight_node.target}_times_dyt_gamma", match.weight
+    )
+    args = list(conv.node.args)
+    if conv.node.target == _aten.conv2d.default and len(args) < 3:
+        args.append(None)
+    args[1] = weight_node
+    if match.bias is not None:
+        like = conv.bias_node if conv.bias_node is not None else conv.weight_node
+        stem = f"{conv.bias_node.target if conv.bias_node is not None else conv.weight_node.target}_plus_dyt_beta"
+        args[2] = fresh(like, stem, match.bias)
+    conv.node.args = tuple(args)
+
+    new_input: Node = site.tanh
+    if match.shifted_beta is not None:
+        beta_like = site.beta_arg if isinstance(site.beta_arg, Node) else conv.weight_node
+        beta_value = site.output.meta["val"]
+        shifted = fresh(
+            beta_like,
+            f"{site.tanh.name}_dyt_beta_over_gamma",
+            _shape_like(match.shifted_beta, site.channel_axis, beta_value.dtype),
+        )
+        with graph.inserting_after(site.tanh):
+            new_input = graph.call_function(_aten.add.Tensor, (site.tanh, shifted))
+        new_input.meta = dict(site.add.meta)
+    reader = site.layout[-1] if site.layout else conv.node
+    reader.replace_input_with(site.output, new_input)
+    for node in (site.add, site.mul):
+        if node is not None and not node.users:
+            graph.erase_node(node)
+    for constant in (site.beta_arg, site.gamma_arg, conv.weight_node, conv.bias_node):
+        if isinstance(constant, Node) and constant.op == "get_attr":
+            delete_constant_if_unused(graph_module, None, constant)
+
+
+class FoldDyTAffineIntoConvFloatPass(ArmPass):
+    """`conv(L(gamma * tanh(alpha x) + beta))` -> `conv'(L(tanh(alpha x)))`; see the module docstring."""
+
+    _passes_required_after: set[type[ExportPass]] = set()
+
+    def __init__(self, tfa_pass: bool = True) -> None:
+        super().__init__(tfa_pass=tfa_pass)
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        modified = False
+        for node in list(graph_module.graph.nodes):
+            if node.op != "call_function" or node.target not in _CONVS:
+                continue
+            if not self.allowed_to_transform(node.meta):
+                continue
+            match = match_float_affine(node)
+            if match is None:
+                continue
+            if isinstance(match, Declined):
+                record_declined(FOLD, node.name, match.reason)
+                continue
+            rewrite_float_affine(graph_module, match)
+            kept = (
+                "beta kept as beta/gamma before the padded conv"
+                if match.shifted_beta is not None
+                else "beta into the bias"
+            )
+            record_applied(FOLD, node.name, f"gamma into the conv weight, {kept}")
+            modified = True
+        if modified:
+            graph_module.graph.lint()
+            graph_module.recompile()
+        return PassResult(graph_module, modified)
