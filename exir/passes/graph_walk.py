@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from executorch.exir.dialects.edge._ops import EdgeOpOverload
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
@@ -38,7 +39,7 @@ class ConstantSource:
 
 def underlying_op(target):
     """The ATen overload behind an Edge op; any other target unchanged."""
-    return getattr(target, "_op", target)
+    return target._op if isinstance(target, EdgeOpOverload) else target
 
 
 def op_qualified_name(target) -> str:
