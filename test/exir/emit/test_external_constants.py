@@ -1,0 +1,102 @@
+"""Two methods must not write different tensors under one external constant name."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from executorch.exir import ExecutorchBackendConfig
+from executorch.exir import to_edge_transform_and_lower as upstream_to_edge_transform_and_lower
+
+from etfold.exir import (
+    ExternalConstantCollisionError,
+    constant_prop_pass,
+    to_edge_transform_and_lower,
+)
+from etfold.harness.external_data import data_files, load_with_data
+from etfold.harness.xnnpack_runner import assert_close, eager_outputs, max_abs_error
+
+torch.manual_seed(0)
+EXTERNAL = ExecutorchBackendConfig(external_constants=True)
+
+
+class TwoScales(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return x @ (self.w * 2).t()
+
+    def other(self, x):
+        return x @ (self.w * 3).t()
+
+
+def export_as(module, method, *inputs):
+    view = copy.copy(module)
+    view.forward = getattr(module, method)
+    return torch.export.export(view, inputs)
+
+
+def upstream_named_folds(model, x):
+    """Each method folded the upstream way: both get `_prop_tensor_constant0`."""
+    return {m: constant_prop_pass(export_as(model, m, x)) for m in ("forward", "other")}
+
+
+def test_collision_raises_at_to_executorch_with_name_methods_and_cause():
+    model, x = TwoScales().eval(), torch.randn(2, 8)
+    edge = to_edge_transform_and_lower(upstream_named_folds(model, x))
+    with pytest.raises(ExternalConstantCollisionError) as error:
+        edge.to_executorch(EXTERNAL)
+    message = str(error.value)
+    assert "'_prop_tensor_constant0'" in message
+    assert "forward" in message and "other" in message and "the data differ" in message
+
+
+def test_the_collision_is_real_on_upstreams_path():
+    """What the check prevents: upstream emits it, and one method reads the other's weight."""
+    model, x = TwoScales().eval(), torch.randn(2, 8)
+    edge = upstream_to_edge_transform_and_lower(upstream_named_folds(model, x))
+    executorch = edge.to_executorch(EXTERNAL)
+    runtime = load_with_data(executorch.buffer, data_files(executorch))
+    errors = [
+        max_abs_error(list(runtime.run_method(m, (x,))), eager_outputs(model, (x,), m))
+        for m in ("forward", "other")
+    ]
+    assert max(errors) > 0.1
+
+
+def test_same_data_under_one_name_is_allowed():
+    model, x = TwoScales().eval(), torch.randn(2, 8)
+    progs = {m: export_as(model, m, x) for m in ("forward", "other")}  # both read parameter w
+    executorch = to_edge_transform_and_lower(progs).to_executorch(EXTERNAL)
+    runtime = load_with_data(executorch.buffer, data_files(executorch))
+    for method in progs:
+        assert_close(
+            list(runtime.run_method(method, (x,))), eager_outputs(model, (x,), method), atol=1e-5
+        )
+
+
+def test_names_only_matter_for_external_constants():
+    model, x = TwoScales().eval(), torch.randn(2, 8)
+    executorch = to_edge_transform_and_lower(upstream_named_folds(model, x)).to_executorch()
+    runtime = load_with_data(executorch.buffer, {})
+    for method in ("forward", "other"):
+        assert_close(
+            list(runtime.run_method(method, (x,))), eager_outputs(model, (x,), method), atol=1e-5
+        )
+
+
+def test_register_like_source_names_pass_the_check():
+    model, x = TwoScales().eval(), torch.randn(2, 8)
+    progs = {
+        m: constant_prop_pass(export_as(model, m, x), register_like_source=True)
+        for m in ("forward", "other")
+    }
+    executorch = to_edge_transform_and_lower(progs).to_executorch(EXTERNAL)
+    runtime = load_with_data(executorch.buffer, data_files(executorch))
+    for method in progs:
+        assert_close(
+            list(runtime.run_method(method, (x,))), eager_outputs(model, (x,), method), atol=1e-5
+        )

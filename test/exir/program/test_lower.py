@@ -1,0 +1,153 @@
+"""etfold's to_edge_transform_and_lower: cross-method marks before upstream runs."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+from executorch.exir import to_edge_transform_and_lower as upstream_to_edge_transform_and_lower
+
+from etfold.exir import to_edge_transform_and_lower
+from etfold.exir.program import lower
+from etfold.exir.program.lower import SHARED_ACROSS_METHODS, CheckedEdgeProgramManager
+from etfold.harness.xnnpack_runner import assert_close, eager_outputs, lower_xnnpack
+
+torch.manual_seed(0)
+
+
+class Methods(torch.nn.Module):
+    """w: read by forward and decode; u: read by decode and score; v: forward only."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.u = torch.nn.Parameter(torch.randn(8))
+        self.v = torch.nn.Parameter(torch.randn(8))
+        self.register_buffer("scale", torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.w) * self.v
+
+    def decode(self, x):
+        return torch.nn.functional.linear(x, self.w) + self.u * self.scale
+
+    def score(self, x):
+        return x * self.u
+
+
+def export_as(module, method, *inputs):
+    """Export `module.<method>` keeping the module's own parameter names."""
+    view = copy.copy(module)
+    view.forward = getattr(module, method)
+    return torch.export.export(view, inputs)
+
+
+def programs(model, x, methods=("forward", "decode", "score")):
+    return {m: export_as(model, m, x) for m in methods}
+
+
+def marks(ep) -> dict[str, bool]:
+    fqn = {s.arg.name: s.target for s in ep.graph_signature.input_specs}
+    return {
+        fqn[n.name]: n.meta.get(SHARED_ACROSS_METHODS, False)
+        for n in ep.graph.find_nodes(op="placeholder")
+        if fqn[n.name] is not None
+    }
+
+
+class RecordingPartitioner(XnnpackPartitioner):
+    """Upstream's partitioner that notes the marks its pre-decomposition hook sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def transform_for_pre_decomposition(self, exported_program):
+        self.seen.append(marks(exported_program))
+        return exported_program
+
+
+def undecorated(function, name="to_edge_transform_and_lower"):
+    """Upstream's API sits under a logging decorator that hides its signature."""
+    cells = [c.cell_contents for c in function.__closure__ or ()]
+    return next((f for f in cells if getattr(f, "__name__", None) == name), function)
+
+
+def test_signature_is_upstreams():
+    ours = inspect.signature(to_edge_transform_and_lower).parameters
+    theirs = inspect.signature(undecorated(upstream_to_edge_transform_and_lower)).parameters
+    assert "partitioner" in theirs
+    assert list(ours) == list(theirs)
+    assert [p.default for p in ours.values()] == [p.default for p in theirs.values()]
+
+
+def test_marks_constants_several_methods_read_before_the_hook_runs():
+    model, x = Methods().eval(), torch.randn(2, 8)
+    partitioner = RecordingPartitioner()
+    lowered = lower_xnnpack(programs(model, x), [partitioner], lower=to_edge_transform_and_lower)
+    by_method = dict(zip(("forward", "decode", "score"), partitioner.seen, strict=True))
+    assert by_method["forward"] == {"w": True, "u": True, "v": False, "scale": False}
+    assert by_method["decode"] == {"w": True, "u": True, "v": False, "scale": False}
+    assert by_method["score"] == {"w": True, "u": True, "v": False, "scale": False}
+    for method in by_method:
+        assert_close(lowered.run(x, method=method), eager_outputs(model, (x,), method), atol=1e-4)
+
+
+def test_unused_placeholder_is_not_a_read():
+    model, x = Methods().eval(), torch.randn(2, 8)
+    progs = programs(model, x, ("forward", "score"))
+    assert all("v" in marks(ep) and "w" in marks(ep) for ep in progs.values())  # lifted in both
+    lower.mark_constants_shared_across_methods(progs)
+    assert marks(progs["forward"]) == {"w": False, "u": False, "v": False, "scale": False}
+    assert marks(progs["score"]) == {"w": False, "u": False, "v": False, "scale": False}
+
+
+def test_single_method_marks_nothing():
+    model, x = Methods().eval(), torch.randn(2, 8)
+    partitioner = RecordingPartitioner()
+    lowered = lower_xnnpack(
+        export_as(model, "decode", x), [partitioner], lower=to_edge_transform_and_lower
+    )
+    assert partitioner.seen == [{"w": False, "u": False, "v": False, "scale": False}]
+    assert_close(lowered.run(x), eager_outputs(model, (x,), "decode"), atol=1e-4)
+
+
+def test_marks_are_recomputed_not_accumulated():
+    model, x = Methods().eval(), torch.randn(2, 8)
+    progs = programs(model, x)
+    lower.mark_constants_shared_across_methods(progs)
+    assert marks(progs["forward"])["w"]
+    lower.mark_constants_shared_across_methods({"forward": progs["forward"]})
+    assert not any(marks(progs["forward"]).values())
+
+
+def test_marking_steps_run_in_order_on_the_method_dict_before_upstream(monkeypatch):
+    model, x = Methods().eval(), torch.randn(2, 8)
+    calls = []
+
+    def after_shared_marks(by_method):
+        calls.append(("step", sorted(by_method), marks(by_method["decode"])["w"]))
+
+    def upstream(programs, **kwargs):
+        calls.append(("upstream",))
+        return upstream_to_edge_transform_and_lower(programs, **kwargs)
+
+    monkeypatch.setattr(lower, "MARKING_STEPS", (*lower.MARKING_STEPS, after_shared_marks))
+    monkeypatch.setattr(lower, "_upstream_to_edge_transform_and_lower", upstream)
+    edge = to_edge_transform_and_lower(programs(model, x), partitioner=[XnnpackPartitioner()])
+    assert calls == [("step", ["decode", "forward", "score"], True), ("upstream",)]
+    assert isinstance(edge, CheckedEdgeProgramManager)
+
+
+def test_derived_managers_stay_checked():
+    model, x = Methods().eval(), torch.randn(2, 8)
+    edge = to_edge_transform_and_lower(export_as(model, "forward", x))
+    assert isinstance(edge.transform([]), CheckedEdgeProgramManager)
+    derived = edge.to_backend(XnnpackPartitioner())
+    assert isinstance(derived, CheckedEdgeProgramManager)
+    from etfold.harness.xnnpack_runner import load_program
+
+    runtime = load_program(derived.to_executorch())
+    assert_close(list(runtime.run_method("forward", (x,))), eager_outputs(model, (x,)), atol=1e-4)
