@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 
 import pytest
@@ -20,7 +21,7 @@ from executorch.exir import to_edge
 from etfold.backends.arm import FoldScalarMulIntoConvPass, arm_folds_registered
 from etfold.backends.arm._passes import fold_scalar_mul_into_conv_pass as fold
 from etfold.backends.arm.registration import upstream_folds_retired
-from etfold.decisions import collect_decisions
+from etfold.decisions import FoldDecision, collect_decisions
 from etfold.harness.tosa_runner import FP, INT, TosaProgram, lower_module_tosa, output_scales
 from etfold.harness.xnnpack_runner import eager_outputs
 
@@ -29,6 +30,11 @@ _LOWERINGS = {
     "stock": contextlib.nullcontext,
     "etfold": arm_folds_registered,
 }
+
+
+def mine(journal: list[FoldDecision]) -> list[FoldDecision]:
+    """This fold's decisions (other registered folds record theirs too)."""
+    return [d for d in journal if d.fold == fold.FOLD]
 
 
 def lower(model: torch.nn.Module, inputs: tuple, profile: str, how: str) -> TosaProgram:
@@ -84,20 +90,36 @@ def _model(dims: int, kind: str, seed: int = 0) -> tuple[ConvScale, tuple]:
     return model, (calibration_and_input,)
 
 
+@functools.cache
+def lowered_case(
+    dims: int, kind: str, profile: str, how: str
+) -> tuple[TosaProgram, tuple[FoldDecision, ...]]:
+    """Each (model, profile, lowering) once per session; tests only read the programs."""
+    model, inputs = _model(dims, kind)
+    with collect_decisions() as journal:
+        program = lower(model, inputs, profile, how)
+    return program, tuple(mine(journal))
+
+
+@functools.cache
+def hand_folded_case(dims: int, kind: str) -> TosaProgram:
+    model, inputs = _model(dims, kind)
+    return lower_module_tosa(model.hand_folded(), inputs, INT)[0]
+
+
 @pytest.mark.parametrize("dims", [1, 2], ids=["conv1d", "conv2d"])
 @pytest.mark.parametrize("kind", ["scalar", "per_channel"])
 def test_int_fold_removes_mul_and_matches_hand_folded(dims, kind):
     model, inputs = _model(dims, kind)
-    unfolded = lower(model, inputs, INT, "unfolded")
-    with collect_decisions() as decisions:
-        folded = lower(model, inputs, INT, "etfold")
-    hand, _ = lower_module_tosa(model.hand_folded(), inputs, INT)
+    unfolded, _ = lowered_case(dims, kind, INT, "unfolded")
+    folded, decisions = lowered_case(dims, kind, INT, "etfold")
+    hand = hand_folded_case(dims, kind)
 
     assert unfolded.operator_counts()["MUL"] == 1
     assert folded.operator_counts()["MUL"] == 0
     assert sum(folded.operator_counts().values()) < sum(unfolded.operator_counts().values())
     assert folded.operator_counts() == hand.operator_counts()
-    assert [d.applied for d in decisions if d.fold == fold.FOLD] == [True]
+    assert [(d.applied, d.where.split(":")[0]) for d in decisions] == [(True, "annotation")]
 
     lsb = output_scales(folded)[0]
     folded_out = folded.run(*inputs).outputs[0]
@@ -111,15 +133,14 @@ def test_int_fold_removes_mul_and_matches_hand_folded(dims, kind):
 
 
 def test_stock_never_folds_conv1d():
-    model, inputs = _model(1, "scalar")
-    assert lower(model, inputs, INT, "stock").operator_counts()["MUL"] == 1
+    stock, _ = lowered_case(1, "scalar", INT, "stock")
+    assert stock.operator_counts()["MUL"] == 1
 
 
 def test_conv2d_3_to_8_operator_count_drops_like_stock():
-    model, inputs = _model(2, "scalar")
-    stock = lower(model, inputs, INT, "stock").operator_counts()
-    folded = lower(model, inputs, INT, "etfold").operator_counts()
-    unfolded = lower(model, inputs, INT, "unfolded").operator_counts()
+    stock = lowered_case(2, "scalar", INT, "stock")[0].operator_counts()
+    folded = lowered_case(2, "scalar", INT, "etfold")[0].operator_counts()
+    unfolded = lowered_case(2, "scalar", INT, "unfolded")[0].operator_counts()
     assert folded == stock
     assert sum(folded.values()) < sum(unfolded.values())
     assert (unfolded["MUL"], folded["MUL"]) == (1, 0)
@@ -129,10 +150,9 @@ def test_conv2d_3_to_8_operator_count_drops_like_stock():
 @pytest.mark.parametrize("kind", ["scalar", "per_channel"])
 def test_fp_fold_in_backend_pipeline(dims, kind):
     model, inputs = _model(dims, kind)
-    with collect_decisions() as decisions:
-        folded = lower(model, inputs, FP, "etfold")
+    folded, decisions = lowered_case(dims, kind, FP, "etfold")
     assert folded.operator_counts()["MUL"] == 0
-    assert [d.where.split(":")[0] for d in decisions if d.applied] == ["backend"]
+    assert [(d.applied, d.where.split(":")[0]) for d in decisions] == [(True, "backend")]
     reference = eager_outputs(model, inputs)[0]
     torch.testing.assert_close(folded.run(*inputs).outputs[0], reference, atol=1e-5, rtol=1e-5)
 
@@ -143,13 +163,13 @@ def test_wide_dynamic_range_per_channel_scale_is_no_worse_than_unfolded():
     model = ConvScale(2, torch.logspace(-3, 2, 8)).eval()
     inputs = (torch.randn(1, 3, 8, 8),)
     calibration = [(torch.randn(1, 3, 8, 8),) for _ in range(3)]
-    with arm_folds_registered(), collect_decisions() as decisions:
+    with arm_folds_registered(), collect_decisions() as journal:
         folded, reference = lower_module_tosa(
             copy.deepcopy(model), inputs, INT, calibration=calibration
         )
     with upstream_folds_retired():
         unfolded, _ = lower_module_tosa(copy.deepcopy(model), inputs, INT, calibration=calibration)
-    assert [d.applied for d in decisions] == [True]
+    assert [d.applied for d in mine(journal)] == [True]
     assert folded.operator_counts()["MUL"] == 0
     folded_max, folded_mean = errors(folded, inputs, reference[0])
     unfolded_max, unfolded_mean = errors(unfolded, inputs, reference[0])
@@ -195,11 +215,11 @@ def _shared():
 @pytest.mark.parametrize("profile", [INT, FP])
 def test_shared_weight_folds_each_conv_with_its_own_scale(profile):
     model, inputs = _shared()
-    with collect_decisions() as decisions:
+    with collect_decisions() as journal:
         folded = lower(model, inputs, profile, "etfold")
     assert folded.operator_counts()["MUL"] == 0
-    assert sum(d.applied for d in decisions) == 2
-    new_weights = {d.detail.rsplit("-> ", 1)[1] for d in decisions}
+    assert sum(d.applied for d in mine(journal)) == 2
+    new_weights = {d.detail.rsplit("-> ", 1)[1] for d in mine(journal)}
     assert len(new_weights) == 2  # two fresh constants, not one reused
     hand, _ = lower_module_tosa(model.hand_folded(), inputs, profile)
     out = folded.run(*inputs).outputs[0]
@@ -254,9 +274,9 @@ class TransposedScale(torch.nn.Module):
 def test_transposed_conv_folds_along_its_output_channel_axis(profile):
     torch.manual_seed(0)
     model, inputs = TransposedScale(groups=1).eval(), (torch.randn(1, 4, 6, 6),)
-    with collect_decisions() as decisions:
+    with collect_decisions() as journal:
         folded = lower(model, inputs, profile, "etfold")
-    assert [d.applied for d in decisions] == [True]
+    assert [d.applied for d in mine(journal)] == [True]
     assert folded.operator_counts()["MUL"] == 0
     assert folded.operator_counts()["TRANSPOSE_CONV2D"] == 1
     reference = eager_outputs(model, inputs)[0]
@@ -285,9 +305,9 @@ def test_grouped_convs_fold_exactly_on_the_aten_graph(make):
         model.conv = torch.nn.Conv2d(4, 8, 3, groups=2)
     inputs = (torch.randn(1, 4, 6, 6),)
     graph_module = torch.export.export(model, inputs).module(check_guards=False)
-    with collect_decisions() as decisions:
+    with collect_decisions() as journal:
         FoldScalarMulIntoConvPass(tfa_pass=True)(graph_module)
-    assert [d.applied for d in decisions] == [True]
+    assert [d.applied for d in mine(journal)] == [True]
     assert not _muls(graph_module)
     torch.testing.assert_close(graph_module(*inputs), model(*inputs), atol=1e-5, rtol=1e-5)
 
@@ -386,7 +406,7 @@ def _declines(model: torch.nn.Module, edit=None) -> str:
     attributes = sorted(n for n, _ in graph_module.named_buffers()) + sorted(
         n for n, _ in graph_module.named_parameters()
     )
-    with collect_decisions() as decisions:
+    with collect_decisions() as journal:
         result = FoldScalarMulIntoConvPass(tfa_pass=True)(graph_module)
     assert not result.modified
     assert str(graph_module.graph) == before
@@ -394,8 +414,8 @@ def _declines(model: torch.nn.Module, edit=None) -> str:
         n for n, _ in graph_module.named_parameters()
     )
     assert after == attributes
-    assert len(decisions) == 1 and not decisions[0].applied
-    return decisions[0].detail
+    assert len(mine(journal)) == 1 and not mine(journal)[0].applied
+    return mine(journal)[0].detail
 
 
 def _first(graph_module, word):

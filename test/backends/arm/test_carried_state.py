@@ -1,0 +1,267 @@
+"""The carried-state guard: no scale folds into a conv whose output persists to the next call.
+
+Recurrent cells are lowered for TOSA-1.0+INT and stepped 32 times on the
+reference model, carrying their state, against fp32 eager stepped the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from executorch.exir import to_edge
+
+from etfold.backends.arm import (
+    FoldScalarMulIntoConvPass,
+    arm_folds_registered,
+    is_carried_quant_state,
+    mark_carried_quant_state,
+    mark_carried_state_outputs,
+)
+from etfold.backends.arm._passes import carried_region
+from etfold.backends.arm._passes import fold_scalar_mul_into_conv_pass as fold
+from etfold.backends.arm.registration import upstream_folds_retired
+from etfold.decisions import FoldDecision, collect_decisions
+from etfold.harness.tosa_runner import (
+    FP,
+    INT,
+    lower_module_tosa,
+    lower_tosa,
+    quantize_exported_for_tosa,
+    run_carried,
+)
+
+STEPS = 32
+
+
+def mine(journal: list[FoldDecision]) -> list[FoldDecision]:
+    """This fold's decisions (other registered folds record theirs too)."""
+    return [d for d in journal if d.fold == fold.FOLD]
+
+
+class StatefulConvMul(torch.nn.Module):
+    """state <- conv(x + state) * s; the scaled conv output is written into a buffer."""
+
+    def __init__(self, channels: int = 4, size: int = 6):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+        self.register_buffer("state", torch.zeros(1, channels, size, size))
+
+    def forward(self, x):
+        y = self.conv(x + self.state) * 0.5
+        self.state.copy_(y)
+        return y
+
+
+class FunctionalCell(torch.nn.Module):
+    """(out, state) = f(x, state): the state is an argument and an output; only a mark says so."""
+
+    def __init__(self, channels: int = 4):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2 * channels, channels, 3, padding=1)
+
+    def forward(self, x, h):
+        h_next = self.conv(torch.cat([x, h], dim=1)) * 0.5
+        return torch.tanh(h_next), h_next
+
+
+def _steps(seed: int = 0, n: int = STEPS, shape=(1, 4, 6, 6)) -> list[tuple[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(*shape, generator=generator),) for _ in range(n)]
+
+
+def _eager_buffer_steps(model: StatefulConvMul, steps) -> list[torch.Tensor]:
+    model = copy.deepcopy(model)
+    model.state.zero_()
+    with torch.no_grad():
+        return [model(*inputs) for inputs in steps]
+
+
+def _lower_stateful(model, steps, context):
+    calibration = steps[1:9]
+    with context(), collect_decisions() as journal:
+        program, _ = lower_module_tosa(copy.deepcopy(model), steps[0], INT, calibration=calibration)
+    return program, mine(journal)
+
+
+def test_stateful_conv_mul_keeps_its_mul_and_drifts_no_more_than_unfolded():
+    torch.manual_seed(0)
+    model, steps = StatefulConvMul().eval(), _steps()
+    folded, decisions = _lower_stateful(model, steps, arm_folds_registered)
+    unfolded, _ = _lower_stateful(model, steps, upstream_folds_retired)
+
+    assert folded.operator_counts()["MUL"] == 1
+    assert [(d.applied, d.detail) for d in decisions][:1] == [(False, fold.CARRIED_STATE)]
+
+    zero = {"state": torch.zeros_like(model.state)}
+    eager = _eager_buffer_steps(model, steps)
+    folded_outs = [r.outputs[0] for r in run_carried(folded, steps, buffers=zero)]
+    unfolded_outs = [r.outputs[0] for r in run_carried(unfolded, steps, buffers=zero)]
+    folded_drift = max(float((o - e).abs().max()) for o, e in zip(folded_outs, eager, strict=True))
+    unfolded_drift = max(
+        float((o - e).abs().max()) for o, e in zip(unfolded_outs, eager, strict=True)
+    )
+    assert folded_drift <= unfolded_drift
+    # the state really carries: later steps differ from a stateless run of the same inputs
+    assert not torch.equal(folded_outs[5], folded.run(*steps[5]).outputs[0])
+
+
+def test_stock_folds_across_the_buffer_write_back():
+    """Documents the upstream behaviour the guard prevents."""
+    torch.manual_seed(0)
+    model, steps = StatefulConvMul().eval(), _steps(n=9)
+    stock, _ = _lower_stateful(model, steps, lambda: torch.no_grad())
+    assert stock.operator_counts()["MUL"] == 0
+
+
+@pytest.mark.parametrize("profile", [INT, FP])
+def test_marked_functional_state_keeps_its_mul(profile):
+    torch.manual_seed(0)
+    model = FunctionalCell().eval()
+    x, h = torch.randn(1, 4, 6, 6), torch.zeros(1, 4, 6, 6)
+
+    generator = torch.Generator().manual_seed(2)
+    calibration = [
+        (
+            torch.randn(1, 4, 6, 6, generator=generator),
+            torch.randn(1, 4, 6, 6, generator=generator) * 0.5,
+        )
+        for _ in range(4)
+    ]
+
+    def lowered(context, mark: bool):
+        exported = torch.export.export(copy.deepcopy(model), (x, h))
+        if mark:
+            mark_carried_state_outputs(exported, [1])
+        with context(), collect_decisions() as journal:
+            program = (
+                quantize_exported_for_tosa(exported, (x, h), calibration=calibration)
+                if profile == INT
+                else exported
+            )
+            return lower_tosa(program, profile), mine(journal)
+
+    marked, decisions = lowered(arm_folds_registered, mark=True)
+    assert marked.operator_counts()["MUL"] == 1
+    assert [(d.applied, d.detail) for d in decisions] == [(False, fold.CARRIED_STATE)]
+    unmarked, _ = lowered(arm_folds_registered, mark=False)
+    assert unmarked.operator_counts()["MUL"] == 0
+
+    if profile == INT:
+        unfolded, _ = lowered(upstream_folds_retired, mark=True)
+        eager_h, marked_h, unfolded_h = h, h, h
+        marked_drift = unfolded_drift = 0.0
+        for (x_t,) in _steps(seed=1):
+            with torch.no_grad():
+                eager_out, eager_h = model(x_t, eager_h)
+            marked_out, marked_h = marked.run(x_t, marked_h).outputs
+            unfolded_out, unfolded_h = unfolded.run(x_t, unfolded_h).outputs
+            marked_drift = max(marked_drift, float((marked_out - eager_out).abs().max()))
+            unfolded_drift = max(unfolded_drift, float((unfolded_out - eager_out).abs().max()))
+        assert marked_drift <= unfolded_drift
+
+
+# ---- structural detection, both graph forms ----
+
+
+class WritesInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x, h):
+        y = self.conv(x) * 0.5
+        h.copy_(torch.relu(y))  # reaches the write-back through another op
+        return y
+
+
+class UnrelatedCounter(torch.nn.Module):
+    """A feed-forward conv × scale beside a buffer the model updates on its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self, x, h):
+        self.count.add_(1)
+        return self.conv(x + h) * 0.5
+
+
+def _inputs():
+    torch.manual_seed(0)
+    return torch.randn(1, 4, 6, 6), torch.randn(1, 4, 6, 6)
+
+
+@pytest.mark.parametrize("model_cls", [StatefulConvMul, WritesInput], ids=["buffer", "user_input"])
+def test_annotation_form_sees_write_backs(model_cls):
+    model = model_cls().eval()
+    inputs = _inputs()[: 1 if model_cls is StatefulConvMul else 2]
+    graph_module = torch.export.export(model, inputs).module(check_guards=False)
+    with collect_decisions() as journal:
+        assert not FoldScalarMulIntoConvPass(tfa_pass=True)(graph_module).modified
+    assert [d.detail for d in mine(journal)] == [fold.CARRIED_STATE]
+
+
+@pytest.mark.parametrize(
+    "model_cls", [StatefulConvMul, WritesInput], ids=["buffer_mutation", "user_input_mutation"]
+)
+def test_backend_form_sees_the_signature(model_cls):
+    model = model_cls().eval()
+    inputs = _inputs()[: 1 if model_cls is StatefulConvMul else 2]
+    program = to_edge(torch.export.export(model, inputs)).exported_program()
+    kinds = {spec.kind.name for spec in program.graph_signature.output_specs}
+    assert kinds & {"BUFFER_MUTATION", "USER_INPUT_MUTATION"}
+    before = str(program.graph)
+    with collect_decisions() as journal:
+        assert not FoldScalarMulIntoConvPass(program)(program.graph_module).modified
+    assert str(program.graph) == before
+    assert [d.detail for d in mine(journal)] == [fold.CARRIED_STATE]
+
+
+def test_feed_forward_conv_still_folds_beside_unrelated_state():
+    model, inputs = UnrelatedCounter().eval(), _inputs()
+    graph_module = torch.export.export(copy.deepcopy(model), inputs).module(check_guards=False)
+    assert FoldScalarMulIntoConvPass(tfa_pass=True)(graph_module).modified
+    with arm_folds_registered(), collect_decisions() as journal:
+        program, reference = lower_module_tosa(copy.deepcopy(model), inputs, INT)
+    assert [d.applied for d in mine(journal)] == [True]
+    assert program.operator_counts()["MUL"] == 0
+    out = program.run(*inputs).outputs[-1]
+    assert float((out - reference[-1]).abs().max()) <= 0.05
+
+
+def test_region_holds_exactly_what_flows_into_carried_values():
+    graph_module = torch.export.export(WritesInput().eval(), _inputs()).module(check_guards=False)
+    region = carried_region(graph_module)
+    names = {n.name for n in region}
+    assert {"conv2d", "mul", "relu"} <= names
+    assert not any(n.op == "output" for n in region)
+
+
+def test_marks_by_output_index_and_survives_unlifting():
+    model = FunctionalCell().eval()
+    exported = torch.export.export(model, (torch.randn(1, 4, 6, 6), torch.zeros(1, 4, 6, 6)))
+    (marked,) = mark_carried_state_outputs(exported, [1])
+    assert marked.name == "mul" and is_carried_quant_state(marked)
+    assert not is_carried_quant_state(next(n for n in exported.graph.nodes if n.name == "tanh"))
+    unlifted = exported.module(check_guards=False)
+    assert [n.name for n in unlifted.graph.nodes if is_carried_quant_state(n)] == ["mul"]
+    with pytest.raises(IndexError):
+        mark_carried_state_outputs(exported, [2])
+
+
+def test_mark_does_not_leak_into_nodes_sharing_custom_meta():
+    graph_module = torch.export.export(FunctionalCell().eval(), _inputs()).module(
+        check_guards=False
+    )
+    conv, mul = (
+        next(n for n in graph_module.graph.nodes if n.name == name) for name in ("conv2d", "mul")
+    )
+    shared = {"note": 1}
+    conv.meta["custom"] = shared
+    mul.meta["custom"] = shared
+    mark_carried_quant_state(mul)
+    assert is_carried_quant_state(mul) and not is_carried_quant_state(conv)
+    assert shared == {"note": 1}
