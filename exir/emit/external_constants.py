@@ -35,11 +35,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(header + flat.numpy().tobytes()).hexdigest()
 
 
-def external_constant_entries(
-    programs: Mapping[str, ExportedProgram],
-) -> dict[str, list[ExternalEntry]]:
-    """Every placeholder tagged for an external file (`meta["constant_tag"]`), by name."""
-    entries: dict[str, list[ExternalEntry]] = defaultdict(list)
+def _tagged_placeholders(programs: Mapping[str, ExportedProgram]):
     for method, program in programs.items():
         specs = {
             s.arg.name: s for s in program.graph_signature.input_specs if hasattr(s.arg, "name")
@@ -47,19 +43,36 @@ def external_constant_entries(
         for node in program.graph.find_nodes(op="placeholder"):
             tag = node.meta.get("constant_tag")
             spec = specs.get(node.name)
-            if tag is None or spec is None or spec.target is None:
-                continue
-            value = stored_value(program, spec.kind, spec.target, spec.persistent)
-            if not isinstance(value, torch.Tensor):
-                storage = getattr(node.meta.get("spec"), "storage", None)
-                value = (
-                    None
-                    if storage is None
-                    else torch.frombuffer(bytearray(storage), dtype=torch.uint8)
-                )
-            digest = tensor_digest(value) if value is not None else "unknown"
-            entries[spec.target].append(ExternalEntry(method, str(tag), digest))
-    return dict(entries)
+            if tag is not None and spec is not None and spec.target is not None:
+                yield method, program, node, spec, str(tag)
+
+
+def _digest(program: ExportedProgram, node: torch.fx.Node, spec) -> str:
+    value = stored_value(program, spec.kind, spec.target, spec.persistent)
+    if isinstance(value, torch.Tensor):
+        return tensor_digest(value)
+    storage = getattr(node.meta.get("spec"), "storage", None)
+    if storage is None:
+        return "unknown"
+    return tensor_digest(torch.frombuffer(bytearray(storage), dtype=torch.uint8))
+
+
+def external_constant_entries(
+    programs: Mapping[str, ExportedProgram],
+) -> dict[str, list[ExternalEntry]]:
+    """Placeholders tagged for an external file (`meta["constant_tag"]`) under a name
+    that more than one method writes, by name. Only those are hashed."""
+    tagged = defaultdict(list)
+    for method, program, node, spec, tag in _tagged_placeholders(programs):
+        tagged[spec.target].append((method, program, node, spec, tag))
+    return {
+        name: [
+            ExternalEntry(method, tag, _digest(program, node, spec))
+            for method, program, node, spec, tag in found
+        ]
+        for name, found in tagged.items()
+        if len({method for method, *_ in found}) > 1
+    }
 
 
 def check_external_constant_names(programs: Mapping[str, ExportedProgram]) -> None:
