@@ -18,6 +18,7 @@ materializes take no more bytes than the sources it erases.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -335,7 +336,10 @@ def constant_closure(
 
 
 def _is_tensor_value(node: torch.fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), torch.Tensor)
+    """A tensor, or a multi-output op's tensors (stored per output, never dropped to a scalar)."""
+    value = node.meta.get("val")
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return bool(values) and all(isinstance(v, torch.Tensor) for v in values)
 
 
 def _value_bytes(node: torch.fx.Node) -> int | None:
@@ -371,6 +375,8 @@ def _group_closures(closures: list[Closure]) -> list[list[Closure]]:
 
 def _measure_group(closures: list[Closure]) -> FoldGroup | Declined:
     nodes = frozenset().union(*(c.nodes for c in closures))
+    # a multi-output op folds with every projection, read by the seed or not
+    nodes |= {u for n in nodes for u in n.users if u.target is operator.getitem}
     sources = frozenset().union(*(c.sources for c in closures))
     # a non-tensor result read outside the fold stays an op, and so does what it reads
     kept = {n for n in nodes if not _is_tensor_value(n) and any(u not in nodes for u in n.users)}
@@ -393,7 +399,7 @@ def _measure_group(closures: list[Closure]) -> FoldGroup | Declined:
             erased += _value_bytes(source) or 0
     return FoldGroup(
         tuple(closures),
-        nodes,
+        frozenset(nodes),
         added,
         erased,
         reads_buffers=any(BUFFER_FOLD_BLOCKERS in s.meta for s in sources),
