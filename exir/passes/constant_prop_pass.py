@@ -485,14 +485,18 @@ def _placeholder_name(kind: InputKind, target: str) -> str:
 
 
 def _uses_dim_order(ep: ExportedProgram) -> bool:
+    """Whether the Edge graph speaks dim order: its own copies say so first, the verifier's config second."""
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if op_namespace(node.target) == "dim_order_ops":
+            return True
+        if op_qualified_name(node.target) in ("aten.clone.default", "aten._to_copy.default"):
+            return False
     try:
         return bool(ep.verifiers[0]().use_dim_order)
     except Exception:
-        return any(
-            op_namespace(n.target) == "dim_order_ops"
-            for n in ep.graph.nodes
-            if n.op == "call_function"
-        )
+        return True  # EdgeCompileConfig's default
 
 
 def _clone_target(ep: ExportedProgram):

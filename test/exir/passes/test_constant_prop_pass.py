@@ -271,6 +271,9 @@ def test_declines_when_evaluation_fails():
         constant_prop_pass(ep)
     assert str(ep.graph) == before
     assert any(r.startswith("evaluation raised RuntimeError") for r in declined(decisions))
+    ep.graph.erase_node(next(n for n in ep.graph.nodes if n.target is torch.ops.aten.mm.default))
+    ep.graph_module.recompile()
+    assert_close(run_module(ep, x), eager(model, x), atol=1e-6)
 
 
 def test_declines_when_result_cannot_be_a_constant():
