@@ -13,7 +13,7 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -167,6 +167,22 @@ class _ReferenceModelInterpreter(torch.fx.Interpreter):
 class TosaProgram:
     edge: EdgeProgramManager
     profile: str
+    # upstream's to_executorch() rewrites the edge program in place (out-variants,
+    # and a copy_ for a written buffer, after which it no longer unlifts); runs use
+    # a copy taken at lowering time unless the edge program was replaced since
+    _lowered: ExportedProgram | None = field(default=None, init=False, repr=False, compare=False)
+    _lowered_copy: ExportedProgram | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        self._lowered = self.edge.exported_program()
+        self._lowered_copy = copy.deepcopy(self._lowered)
+
+    @property
+    def _runnable(self) -> ExportedProgram:
+        live = self.edge.exported_program()
+        return self._lowered_copy if live is self._lowered else live
 
     @property
     def exported_program(self) -> ExportedProgram:
@@ -177,7 +193,7 @@ class TosaProgram:
         return [m.processed_bytes for m in lowered_modules(self.exported_program)]
 
     def run(self, *inputs: torch.Tensor) -> TosaResult:
-        graph_module = self.exported_program.module(check_guards=False)
+        graph_module = self._runnable.module(check_guards=False)
         interpreter = _ReferenceModelInterpreter(graph_module)
         with torch.no_grad():
             out = interpreter.run(*inputs)
@@ -222,7 +238,7 @@ def run_carried(
     `buffers[name]` when given), so neither the program nor a module sharing its
     tensors is written. Returns one result per step.
     """
-    graph_module = program.exported_program.module(check_guards=False)
+    graph_module = program._runnable.module(check_guards=False)
     overrides = dict(buffers or {})
     for name, value in list(graph_module.named_buffers()):
         *path, leaf = name.split(".")
