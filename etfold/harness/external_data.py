@@ -7,7 +7,9 @@ program never repeat across its files, so the merge is a plain union.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from executorch.exir import ExecutorchProgramManager
@@ -19,8 +21,10 @@ ALIGNMENT = 64
 
 
 def data_files(executorch: ExecutorchProgramManager) -> dict[str, bytes]:
-    """`{tag: .ptd bytes}` as `write_tensor_data_to_file` would write them (file = tag + ".ptd")."""
-    return {tag: bytes(cord) for tag, cord in executorch._tensor_data.items()}
+    """`{tag: bytes}` of the `<tag>.ptd` files `write_tensor_data_to_file` writes."""
+    with tempfile.TemporaryDirectory() as directory:
+        executorch.write_tensor_data_to_file(directory)
+        return {path.stem: path.read_bytes() for path in sorted(Path(directory).glob("*.ptd"))}
 
 
 def data_keys(blob: bytes) -> set[str]:

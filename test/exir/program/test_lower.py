@@ -18,7 +18,7 @@ torch.manual_seed(0)
 
 
 class Methods(torch.nn.Module):
-    """w: read by forward and decode; u: read by decode and score; v: forward only."""
+    """w: read by forward and decode; u, scale: by decode and score; v: forward only."""
 
     def __init__(self):
         super().__init__()
@@ -34,7 +34,7 @@ class Methods(torch.nn.Module):
         return torch.nn.functional.linear(x, self.w) + self.u * self.scale
 
     def score(self, x):
-        return x * self.u
+        return x * self.u * self.scale
 
 
 def export_as(module, method, *inputs):
@@ -88,9 +88,8 @@ def test_marks_constants_several_methods_read_before_the_hook_runs():
     partitioner = RecordingPartitioner()
     lowered = lower_xnnpack(programs(model, x), [partitioner], lower=to_edge_transform_and_lower)
     by_method = dict(zip(("forward", "decode", "score"), partitioner.seen, strict=True))
-    assert by_method["forward"] == {"w": True, "u": True, "v": False, "scale": False}
-    assert by_method["decode"] == {"w": True, "u": True, "v": False, "scale": False}
-    assert by_method["score"] == {"w": True, "u": True, "v": False, "scale": False}
+    shared = {"w": True, "u": True, "v": False, "scale": True}
+    assert by_method == {"forward": shared, "decode": shared, "score": shared}
     for method in by_method:
         assert_close(lowered.run(x, method=method), eager_outputs(model, (x,), method), atol=1e-4)
 
