@@ -120,7 +120,12 @@ def allocates_memory(node: torch.fx.Node) -> bool:
 
 
 def is_fill_factory(node: torch.fx.Node) -> bool:
-    return _packet_name(node.target) in FILL_FACTORIES
+    """An op whose values do not depend on any input's data: `full`, `ones_like`, ...,
+    `fill.Scalar`, and `scalar_tensor` of a literal (of a computed scalar it carries data)."""
+    name = _packet_name(node.target)
+    if name in FILL_FACTORIES or op_qualified_name(node.target) == "aten.fill.Scalar":
+        return True
+    return name == "scalar_tensor" and not node.all_input_nodes
 
 
 def is_quant_primitive(node: torch.fx.Node) -> bool:

@@ -231,6 +231,8 @@ FILLS = {
     "full_like": lambda w: torch.full_like(w, 2.0),
     "ones_like": lambda w: torch.ones_like(w),
     "new_zeros": lambda w: w.new_zeros(4),
+    "fill": lambda w: torch.ops.aten.fill.Scalar(w, 3.0),
+    "scalar_tensor": lambda w: torch.ops.aten.scalar_tensor.default(2.0),
 }
 
 
