@@ -11,6 +11,8 @@ layout untouched. The partitioner configs and the preprocess rewrite both ask
 
 from __future__ import annotations
 
+import operator
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,8 @@ COPY_TARGETS = (TO_DIM_ORDER_COPY, TO_COPY)
 CONVERT_TARGET = exir_ops.edge.prims.convert_element_type.default
 
 NARROW_FLOATS = (torch.float16, torch.bfloat16)
+
+_DELEGATE_CALL = torch.ops.higher_order.executorch_call_delegate
 
 
 @dataclass(frozen=True)
@@ -90,8 +94,46 @@ def keeps_layout(node: torch.fx.Node) -> bool:
     )
 
 
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen: set[torch.fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return seen
+
+
+def _delegate_output(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
+    if node.op == "call_function" and node.target is operator.getitem:
+        call, index = node.args
+        if isinstance(call, torch.fx.Node) and call.target is _DELEGATE_CALL:
+            return call, index
+    return None
+
+
+def _inputs_read(node: torch.fx.Node, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """What `node` reads; one output of a delegate reads only the call inputs it depends on."""
+    delegate_output = _delegate_output(node)
+    if delegate_output is None:
+        return list(node.all_input_nodes)
+    call, index = delegate_output
+    submodule = getattr(graph_module, call.args[0].target).original_module
+    result = submodule.graph.output_node().args[0][index]
+    positions = {name: i for i, name in enumerate(submodule.graph_signature.user_inputs)}
+    return [
+        call.args[1 + positions[p.name]]
+        for p in _ancestors(result)
+        if p.op == "placeholder" and p.name in positions
+    ]
+
+
 def reads_user_input(node: torch.fx.Node, program: ExportedProgram) -> bool:
-    """Some user input reaches `node`: it converts an activation, not a constant."""
+    """Some user input reaches `node`: it converts an activation, not a constant.
+
+    Sees through delegate calls, so it answers the same before and after lowering.
+    """
     user_inputs = set(program.graph_signature.user_inputs)
     seen: set[torch.fx.Node] = set()
     stack = list(node.all_input_nodes)
@@ -102,7 +144,7 @@ def reads_user_input(node: torch.fx.Node, program: ExportedProgram) -> bool:
         seen.add(current)
         if current.op == "placeholder" and current.name in user_inputs:
             return True
-        stack.extend(current.all_input_nodes)
+        stack.extend(_inputs_read(current, program.graph_module))
     return False
 
 
@@ -121,9 +163,33 @@ def match_dtype_convert(node: torch.fx.Node) -> DtypeConvert | Declined:
         return Declined("the copy keeps its dtype")
     if not is_fp32_pair(source, target):
         return Declined(
-            f"{_short(source)} -> {_short(target)}: only converts to or from float32 "
-            "are delegated (fp16 <-> bf16 stays outside)"
+            f"{_short(source)} -> {_short(target)}: only float32 <-> float16/bfloat16 "
+            "converts are delegated"
         )
     if not keeps_layout(node):
         return Declined("the copy changes dtype and layout at once")
     return DtypeConvert(node, source, target)
+
+
+def _is_copy_by_name(node: torch.fx.Node) -> bool:
+    """Edge copies and, after `to_executorch`, their out variants."""
+    name = getattr(node.target, "__name__", "")
+    parts = set(name.split("."))
+    return node.op == "call_function" and bool(parts & {"_to_copy", "_to_dim_order_copy"})
+
+
+def float_converts_outside_delegates(program: ExportedProgram) -> Counter[str]:
+    """Top-level float -> float copies that change dtype, as "activation" or "constant".
+
+    "constant" means no user input reaches the copy (a cast buffer, a mask or a
+    rotary table computed from constants): those belong to constant folding.
+    """
+    counts: Counter[str] = Counter()
+    for node in program.graph_module.graph.nodes:
+        if not (_is_copy_by_name(node) and has_tensor_meta(node) and changes_dtype(node)):
+            continue
+        source, target = _tensor_meta(node.args[0]).dtype, _tensor_meta(node).dtype
+        if not (source.is_floating_point and target.is_floating_point):
+            continue
+        counts["activation" if reads_user_input(node, program) else "constant"] += 1
+    return counts

@@ -119,7 +119,7 @@ def test_declines_when_not_to_or_from_fp32(source, target, compile_config):
     x = torch.randn(3, 5).to(source)
     program, expected, decisions = _lower(Convert(target), (x,), compile_config=compile_config)
     assert program.delegates() == 0
-    _assert_declined(program, expected, decisions, (x,), "only converts to or from float32")
+    _assert_declined(program, expected, decisions, (x,), "only float32 <-> float16/bfloat16")
 
 
 def test_declines_when_dtype_and_layout_change_at_once():
@@ -180,7 +180,7 @@ def test_decline_reason_also_goes_through_upstream_why(caplog):
     with caplog.at_level(logging.DEBUG, logger=logger):
         _lower(Convert(torch.bfloat16), (x,))
     assert any(
-        "WhyNoPartition" in r.getMessage() and "only converts to or from float32" in r.getMessage()
+        "WhyNoPartition" in r.getMessage() and "only float32 <-> float16/bfloat16" in r.getMessage()
         for r in caplog.records
     )
 
@@ -263,7 +263,7 @@ def test_preprocess_rewrite_refuses_a_copy_xnnpack_cannot_convert(compile_config
     x = torch.randn(2, 3).to(torch.float16)
     graph_module, copy = _edge_copy_node(Convert(torch.bfloat16), x, compile_config)
     before = str(graph_module.graph)
-    with pytest.raises(UnsupportedDtypeCopyError, match="only converts to or from float32"):
+    with pytest.raises(UnsupportedDtypeCopyError, match="only float32 <-> float16/bfloat16"):
         RewriteDtypeCopiesAsConvertsPass()(graph_module)
     assert str(graph_module.graph) == before
 
