@@ -1,0 +1,209 @@
+"""The install step behind delegated converts: explicit, idempotent, reversible, loud,
+and invisible to stock lowering (byte-identical programs)."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+from executorch.backends.xnnpack._passes.channels_last_tagged_reshape_pass import (
+    ChannelsLastTaggedReshapePass,
+)
+from executorch.backends.xnnpack.operators import node_visitor
+from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+    XnnpackPartitioner as UpstreamXnnpackPartitioner,
+)
+from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+from executorch.exir import EdgeCompileConfig
+
+from etfold.backends.xnnpack import XnnpackPartitioner, install
+from etfold.backends.xnnpack._passes.dtype_convert_match import CONVERT_TARGET
+from etfold.backends.xnnpack.operators.op_convert import XNNConvertVisitor
+from etfold.demo_models.plain_models import ConvBlock, Mlp
+from etfold.harness.xnnpack_runner import export_method, lower_module_xnnpack, lower_xnnpack
+
+
+def _upstream_state():
+    return (
+        inspect.getattr_static(XnnpackBackend, "preprocess"),
+        dict(node_visitor._node_visitor_dict),
+    )
+
+
+@pytest.fixture
+def pristine():
+    """Start uninstalled; leave the process as the test found it."""
+    was_installed = install.is_installed()
+    install.uninstall()
+    yield _upstream_state()
+    install.uninstall()
+    if was_installed:
+        install.install()
+
+
+def test_importing_etfold_installs_nothing():
+    probe = (
+        "import etfold, etfold.backends.xnnpack, etfold.backends.xnnpack.install as i\n"
+        "from executorch.backends.xnnpack.operators import node_visitor\n"
+        "assert not i.is_installed()\n"
+        "assert i.XNNConvertVisitor.target not in node_visitor._node_visitor_dict\n"
+        "print('clean')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("clean"), result.stderr[-2000:]
+
+
+def test_install_is_idempotent_and_uninstall_restores_upstream_exactly(pristine):
+    preprocess, visitors = pristine
+    install.install()
+    install.install()
+    assert install.is_installed()
+    assert node_visitor._node_visitor_dict[CONVERT_TARGET.__name__] is XNNConvertVisitor
+    assert set(node_visitor._node_visitor_dict) == set(visitors) | {CONVERT_TARGET.__name__}
+    assert inspect.getattr_static(XnnpackBackend, "preprocess") is not preprocess
+    install.uninstall()
+    install.uninstall()
+    assert not install.is_installed()
+    assert inspect.getattr_static(XnnpackBackend, "preprocess") is preprocess
+    assert node_visitor._node_visitor_dict == visitors
+
+
+def test_installed_context_restores_the_previous_state(pristine):
+    with install.installed():
+        assert install.is_installed()
+    assert not install.is_installed()
+    install.install()
+    with install.installed():
+        pass
+    assert install.is_installed()
+
+
+def test_partitioning_with_etfold_installs_before_preprocess(pristine):
+    x = torch.randn(2, 3)
+
+    class ToHalf(torch.nn.Module):
+        def forward(self, x):
+            return x.half()
+
+    program, expected = lower_module_xnnpack(
+        ToHalf(), (x,), [XnnpackPartitioner(fold_weights=False)]
+    )
+    assert install.is_installed()
+    assert torch.equal(program.run(x)[0], expected[0])
+
+
+@pytest.mark.parametrize(
+    "tamper,message",
+    [
+        (lambda mp: mp.delattr(node_visitor, "_node_visitor_dict"), "_node_visitor_dict is gone"),
+        (
+            lambda mp: mp.setattr(
+                XnnpackBackend, "preprocess", staticmethod(lambda program, specs, extra=None: None)
+            ),
+            "XnnpackBackend.preprocess takes",
+        ),
+        (
+            lambda mp: mp.setattr(
+                XnnpackBackend, "preprocess", classmethod(lambda cls, p, s: None)
+            ),
+            "no longer a staticmethod",
+        ),
+        (
+            lambda mp: mp.setitem(
+                node_visitor._node_visitor_dict, CONVERT_TARGET.__name__, type("Other", (), {})
+            ),
+            "would replace it",
+        ),
+        (
+            lambda mp: mp.setattr(
+                ChannelsLastTaggedReshapePass,
+                "memory_sensitive_ops_nchw",
+                ChannelsLastTaggedReshapePass.memory_sensitive_ops_nchw | {CONVERT_TARGET},
+            ),
+            "pins a layout",
+        ),
+    ],
+    ids=[
+        "registry_gone",
+        "preprocess_signature",
+        "preprocess_kind",
+        "visitor_taken",
+        "layout_pinned",
+    ],
+)
+def test_install_fails_loudly_when_upstream_changes_shape(pristine, monkeypatch, tamper, message):
+    tamper(monkeypatch)
+    tampered = inspect.getattr_static(XnnpackBackend, "preprocess")
+    with pytest.raises(install.UpstreamShapeError, match=message):
+        install.install()
+    assert inspect.getattr_static(XnnpackBackend, "preprocess") is tampered
+
+
+class Bf16Block(torch.nn.Module):
+    """Converts between bf16 linears and an fp32 softmax: what etfold changes, lowered stock."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.a(x).float().softmax(-1).to(x.dtype)
+        return self.b(h)
+
+
+class ChannelsLastHalf(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.conv(x.float().to(memory_format=torch.channels_last)).half()
+
+
+def _stock_cases():
+    torch.manual_seed(0)
+    return {
+        "conv_block": (ConvBlock(3, 8).eval(), (torch.randn(1, 3, 16, 16),), {}, None),
+        "mlp": (Mlp(32).eval(), (torch.randn(2, 32),), {}, None),
+        "bf16_block": (
+            Bf16Block().to(torch.bfloat16).eval(),
+            (torch.randn(2, 16).to(torch.bfloat16),),
+            {"enable_bf16": True},
+            None,
+        ),
+        "channels_last_half": (
+            ChannelsLastHalf().eval(),
+            (torch.randn(1, 3, 8, 8).half(),),
+            {},
+            None,
+        ),
+        "skip_dim_order_bf16": (
+            Bf16Block().to(torch.bfloat16).eval(),
+            (torch.randn(2, 16).to(torch.bfloat16),),
+            {"enable_bf16": True},
+            EdgeCompileConfig(_skip_dim_order=True),
+        ),
+    }
+
+
+def _stock_bytes(module, inputs, partitioner_kwargs, compile_config) -> bytes:
+    program = export_method(module, "forward", inputs)
+    lowered = lower_xnnpack(
+        program, [UpstreamXnnpackPartitioner(**partitioner_kwargs)], compile_config=compile_config
+    )
+    return bytes(lowered.executorch.buffer)
+
+
+def test_stock_lowering_is_byte_identical_with_etfold_installed(pristine):
+    cases = _stock_cases()
+    without = {name: _stock_bytes(*case) for name, case in cases.items()}
+    install.install()
+    with_etfold = {name: _stock_bytes(*case) for name, case in cases.items()}
+    for name in cases:
+        assert with_etfold[name] == without[name], name
