@@ -156,6 +156,10 @@ def is_float_conv(pass_: ArmPass, conv: Node, mul: Node, weight: torch.Tensor) -
     return weight.is_floating_point() and not quantized_meta
 
 
+def is_constant(tensor: torch.Tensor | None) -> bool:
+    return tensor is not None
+
+
 def is_constant_bias(bias: Node | None, bias_tensor: torch.Tensor | None) -> bool:
     return bias is None or (bias_tensor is not None and bias_tensor.is_floating_point())
 
@@ -237,7 +241,7 @@ class FoldScalarMulIntoConvPass(ArmPass):
 
         weight = _arg(conv, 1, "weight")
         weight_tensor = constant_tensor(weight, program) if isinstance(weight, Node) else None
-        if weight_tensor is None:
+        if not is_constant(weight_tensor):
             return Declined(WEIGHT_NOT_CONSTANT)
         if not is_float_conv(self, conv, mul, weight_tensor):
             return Declined(QUANTIZED)
@@ -249,7 +253,7 @@ class FoldScalarMulIntoConvPass(ArmPass):
             return Declined(BIAS_NOT_CONSTANT)
 
         scale_tensor = self._scale_tensor(scale, program)
-        if scale_tensor is None:
+        if not is_constant(scale_tensor):
             return Declined(SCALE_NOT_CONSTANT)
         if not is_finite(scale_tensor):
             return Declined(SCALE_NOT_FINITE)
