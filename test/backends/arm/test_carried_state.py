@@ -41,7 +41,7 @@ def mine(journal: list[FoldDecision]) -> list[FoldDecision]:
 
 
 class StatefulConvMul(torch.nn.Module):
-    """state <- conv(x + state) * s; the scaled conv output is written into a buffer."""
+    """state <- conv(x + state) * 0.3; the scaled conv output is written into a buffer."""
 
     def __init__(self, channels: int = 4, size: int = 6):
         super().__init__()
@@ -49,7 +49,7 @@ class StatefulConvMul(torch.nn.Module):
         self.register_buffer("state", torch.zeros(1, channels, size, size))
 
     def forward(self, x):
-        y = self.conv(x + self.state) * 0.5
+        y = self.conv(x + self.state) * 0.3
         self.state.copy_(y)
         return y
 
