@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +47,27 @@ def merged_data_map(blobs: Sequence[bytes]) -> bytes:
     return bytes(serializer.serialize(DataPayload(buffers=buffers, named_data=named)))
 
 
-def load_with_data(pte: bytes, files: Mapping[str, bytes] | Sequence[bytes]) -> Any:
+@dataclass
+class ProgramWithData:
+    """A runtime module and the buffers it points into (the runtime does not copy them)."""
+
+    module: Any
+    pte: bytes
+    data: bytes | None
+
+    def run_method(self, method: str, inputs: tuple) -> list:
+        return list(self.module.run_method(method, inputs))
+
+
+def load_with_data(pte: bytes, files: Mapping[str, bytes] | Sequence[bytes]) -> ProgramWithData:
     """The runtime module for `pte` with every data file attached."""
     from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
 
     blobs = list(files.values()) if isinstance(files, Mapping) else list(files)
-    if not blobs:
-        return _load_for_executorch_from_buffer(pte)
-    return _load_for_executorch_from_buffer(pte, merged_data_map(blobs))
+    data = merged_data_map(blobs) if blobs else None
+    module = (
+        _load_for_executorch_from_buffer(pte)
+        if data is None
+        else _load_for_executorch_from_buffer(pte, data)
+    )
+    return ProgramWithData(module, pte, data)
