@@ -63,31 +63,63 @@ def _export_pass_base():
     return ExportPass
 
 
-class ProbePass(_export_pass_base()):
-    """Runs `inner` on the graph after `mutate(graph_module, exported_program)`.
+class CapturePass(_export_pass_base()):
+    """Snapshots the program being lowered (a deep copy) and stops the lowering.
 
-    Records the generated code right before and after `inner`, then stops the
-    lowering by raising `ProbeStop` (the rest of the pipeline need not accept
-    the mutated graph). Use with `arm_pass_insertions` and catch the failure.
+    Insert it with `arm_pass_insertions` where a pass under test would run, then
+    `lower_until_probe`; `snapshot` is the program exactly as that pass would see it.
     """
 
-    def __init__(self, inner, mutate=None):
+    def __init__(self):
         super().__init__()
-        self.inner = inner
-        self.mutate = mutate
-        self.exported_program = None
-        self.code_before: str | None = None
-        self.code_after: str | None = None
+        self.exported_program = None  # set by ArmPassManager's adapter
+        self.snapshot = None
 
     def call(self, graph_module):
-        self.inner.exported_program = self.exported_program
-        if self.mutate is not None:
-            self.mutate(graph_module, self.exported_program)
-        graph_module.recompile()
-        self.code_before = graph_module.code
-        result = self.inner(graph_module)
-        self.code_after = result.graph_module.code
+        import copy
+
+        self.snapshot = copy.deepcopy(self.exported_program)
         raise ProbeStop
+
+
+def program_at(program, *, before=None, after=None, capture_before=None, capture_after=None):
+    """The program as the backend pipeline holds it at one point (see CapturePass).
+
+    `before`/`after` insert passes that should run first; the capture goes
+    before `capture_before` or after `capture_after` (an upstream pass type).
+    """
+    import copy
+
+    from etfold.harness.tosa_runner import lower_tosa
+
+    capture = CapturePass()
+    before = {k: list(v) for k, v in (before or {}).items()}
+    after = {k: list(v) for k, v in (after or {}).items()}
+    if capture_before is not None:
+        before.setdefault(capture_before, []).append(capture)
+    else:
+        after.setdefault(capture_after, []).append(capture)
+    with arm_pass_insertions(before, after):
+        lower_until_probe(lower_tosa, copy.deepcopy(program))
+    return capture.snapshot
+
+
+def run_pass_on(snapshot, pass_instance, mutate=None):
+    """Run `pass_instance` on a copy of `snapshot` after `mutate(graph_module, program)`.
+
+    Returns (code before the pass, code after it, the program).
+    """
+    import copy
+
+    program = copy.deepcopy(snapshot)
+    graph_module = program.graph_module
+    if mutate is not None:
+        mutate(graph_module, program)
+    graph_module.recompile()
+    before = graph_module.code
+    pass_instance.exported_program = program
+    result = pass_instance(graph_module)
+    return before, result.graph_module.code, program
 
 
 class ProbeStop(Exception):

@@ -1,6 +1,5 @@
 """FoldDyTAffineIntoConvPass on TOSA INT: gamma/beta into the next conv, bit-identical codes."""
 
-import copy
 import functools
 
 import pytest
@@ -16,12 +15,11 @@ from etfold.backends.arm._passes.fold_dyt_alpha_into_lut_pass import FoldDyTAlph
 from etfold.decisions import collect_decisions
 from etfold.demo_models.arm_dyt import DyT, DyTConv, randomize_affine
 from etfold.harness.arm_passes import (
-    ProbePass,
-    arm_pass_insertions,
     lower_tosa_with_passes,
-    lower_until_probe,
+    program_at,
+    run_pass_on,
 )
-from etfold.harness.tosa_runner import lower_tosa, quantize_for_tosa
+from etfold.harness.tosa_runner import quantize_for_tosa
 
 CONVS = {
     "1x1": dict(kernel_size=1),
@@ -32,17 +30,28 @@ CONVS = {
 }
 
 
-class TwoSites(torch.nn.Module):
-    """The same input through an identity-gamma/beta DyT site and a random one."""
+class Sites(torch.nn.Module):
+    """Several DyT -> conv sites reading the same input, each with its own alpha.
 
-    def __init__(self, nhwc, conv):
+    Distinct alphas keep the TABLEs distinct (identical ones would be merged).
+    """
+
+    def __init__(self, sites):
         super().__init__()
-        self.identity = DyTConv(4, 4, nhwc=nhwc, **conv)
-        self.random = DyTConv(4, 4, nhwc=nhwc, alpha=0.8, **conv)
-        randomize_affine(self.random.dyt, torch.Generator().manual_seed(1))
+        self.sites = torch.nn.ModuleList(sites)
 
     def forward(self, x):
-        return self.identity(x), self.random(x)
+        return tuple(site(x) for site in self.sites)
+
+
+def _matrix_sites(nhwc):
+    sites = []
+    for index, conv in enumerate(CONVS.values()):
+        identity = DyTConv(4, 4, nhwc=nhwc, alpha=0.3 + 0.1 * index, **conv)
+        random = DyTConv(4, 4, nhwc=nhwc, alpha=0.35 + 0.1 * index, **conv)
+        randomize_affine(random.dyt, torch.Generator().manual_seed(index))
+        sites += [identity, random]
+    return sites
 
 
 def _inputs(seed=3, count=3, channels=4):
@@ -58,6 +67,7 @@ def _integer_passes():
 
 
 def _lower_both(module, samples):
+    """Unfolded and folded lowerings of one quantized program: codes must be identical."""
     program = quantize_for_tosa(module.eval(), samples[0], calibration=samples[1:])
     unfolded = lower_tosa_with_passes(program)
     with collect_decisions() as decisions:
@@ -69,21 +79,23 @@ def _lower_both(module, samples):
     return unfolded.operator_counts(), folded.operator_counts(), affine
 
 
-@pytest.mark.parametrize("conv", list(CONVS), ids=list(CONVS))
 @pytest.mark.parametrize("nhwc", [True, False], ids=["nhwc", "nchw"])
-def test_identity_folds_random_declines_bit_identically(nhwc, conv):
+def test_matrix_identity_folds_random_declines_bit_identically(nhwc):
+    """Every conv of the matrix ({1x1, 3x3 padded, 3x3 unpadded, dw 3x3 padded, dw 1x1})
+    after an identity and after a random gamma/beta, in one program per layout."""
     torch.manual_seed(0)
-    before, after, affine = _lower_both(TwoSites(nhwc, CONVS[conv]), _inputs())
-    assert (before["MUL"], before["ADD"], before["TABLE"]) == (4, 2, 2)
-    # both alphas fold; the identity site's gamma/beta fold; the random site's stay
-    assert (after["MUL"], after["ADD"], after["TABLE"]) == (1, 1, 2)
-    assert [d.applied for d in affine] == [True, False]
-    assert "slopes [1]" in affine[0].detail
-    assert "not exactly affine" in affine[1].detail
+    before, after, affine = _lower_both(Sites(_matrix_sites(nhwc)), _inputs())
+    sites = 2 * len(CONVS)
+    assert (before["MUL"], before["ADD"], before["TABLE"]) == (2 * sites, sites, sites)
+    # every alpha folds; identity gamma/beta fold into their conv; random ones stay
+    assert (after["MUL"], after["ADD"], after["TABLE"]) == (sites // 2, sites // 2, sites)
+    assert [d.applied for d in affine] == [True, False] * len(CONVS)
+    for identity, random in zip(affine[::2], affine[1::2], strict=True):
+        assert "slopes [1], 0 channels with an offset" in identity.detail
+        assert "not exactly affine" in random.detail
 
 
 def _with_affine(gamma, beta, **conv):
-    torch.manual_seed(0)
     module = DyTConv(4, 4, **conv).eval()
     with torch.no_grad():
         module.dyt.gamma.copy_(torch.tensor(gamma).reshape(module.dyt.gamma.shape))
@@ -97,44 +109,39 @@ EXACT = dict(gamma=[2.0, 2.0, 0.0, 2.0], beta=[0.0, 0.0, 0.7, 0.0])
 
 
 @pytest.mark.parametrize("nhwc", [True, False], ids=["nhwc", "nchw"])
-def test_real_gamma_beta_fold_exactly_into_weight_and_bias(nhwc):
-    before, after, affine = _lower_both(_with_affine(**EXACT, nhwc=nhwc, kernel_size=3), _inputs())
-    assert [d.applied for d in affine] == [True]
-    assert "slopes [0, 1]" in affine[0].detail and "1 channels with an offset" in affine[0].detail
-    assert (before["MUL"], before["ADD"]) == (2, 1) and (after["MUL"], after["ADD"]) == (0, 0)
-    assert after["RESCALE"] < before["RESCALE"]
-
-
-def test_singleton_code_table_folds_as_bias_only():
-    # alpha 0: every input maps to one TABLE code, so each channel is a constant
-    module = _with_affine([0.5, -1.0, 1.5, 1.0], [0.1, -0.3, 0.2, 0.05], alpha=0.0)
-    before, after, affine = _lower_both(module, _inputs())
-    assert [d.applied for d in affine] == [True]
-    assert "slopes [0]" in affine[0].detail and "4 channels with an offset" in affine[0].detail
-    assert (after["MUL"], after["ADD"]) == (0, 0)
-
-
-def test_padded_conv_keeps_beta_when_gamma_is_identity():
-    module = _with_affine([1.0] * 4, [0.1, -0.3, 0.2, 0.05], kernel_size=3, padding=1)
-    before, after, affine = _lower_both(module, _inputs())
-    assert [d.applied for d in affine] == [True]
-    assert "kept beta" in affine[0].detail
-    assert (after["MUL"], after["ADD"]) == (0, 1)
-
-
-def test_declines_when_padding_puts_beta_on_the_border():
-    before, after, affine = _lower_both(_with_affine(**EXACT, kernel_size=3, padding=1), _inputs())
-    assert [(d.applied, d.detail) for d in affine] == [
-        (False, "padded conv: beta's contribution at the border is not one bias")
+def test_exact_sites_fold_or_keep_beta_bit_identically(nhwc):
+    torch.manual_seed(0)
+    sites = [
+        # real gamma/beta, exactly affine: weights and bias change
+        _with_affine(**EXACT, nhwc=nhwc, kernel_size=3, alpha=0.5),
+        # alpha 0: the TABLE emits one code, every channel folds as bias only
+        _with_affine([0.5, -1.0, 1.5, 1.0], [0.1, -0.3, 0.2, 0.05], nhwc=nhwc, alpha=0.0),
+        # padded conv, identity gamma, real beta: gamma goes, beta stays
+        _with_affine(
+            [1.0] * 4, [0.1, -0.3, 0.2, 0.05], nhwc=nhwc, kernel_size=3, padding=1, alpha=0.6
+        ),
+        # padded conv, exact affine with an offset: beta would differ on the border
+        _with_affine(**EXACT, nhwc=nhwc, kernel_size=3, padding=1, alpha=0.7),
     ]
-    assert (after["MUL"], after["ADD"]) == (before["MUL"] - 1, before["ADD"])
+    before, after, affine = _lower_both(Sites(sites), _inputs())
+    exact, singleton, kept_beta, padded = affine
+    assert exact.applied and "slopes [0, 1], 1 channels with an offset" in exact.detail
+    assert singleton.applied and "slopes [0], 4 channels with an offset" in singleton.detail
+    assert kept_beta.applied and "removed the identity gamma, kept beta" in kept_beta.detail
+    assert not padded.applied
+    assert padded.detail == "padded conv: beta's contribution at the border is not one bias"
+    assert (before["MUL"], before["ADD"]) == (8, 4)
+    # alphas: -4 MUL; exact and singleton: -2 MUL -2 ADD; kept beta: -1 MUL
+    assert (after["MUL"], after["ADD"]) == (1, 2)
+    assert after["RESCALE"] < before["RESCALE"]
 
 
 # --- guards, one probe each: graph unchanged and the reason recorded ----------------
 
 
 @functools.cache
-def _quantized(kind):
+def _snapshot(kind):
+    """The program as the affine pass sees it (after InsertTableOpsPass), per model kind."""
     samples = _inputs(channels=1 if kind == "broadcast_table" else 4)
     modules = {
         "exact": lambda: _with_affine(**EXACT),
@@ -145,32 +152,21 @@ def _quantized(kind):
         "spatial_gamma": lambda: SpatialGamma(),
     }
     torch.manual_seed(0)
-    return quantize_for_tosa(modules[kind]().eval(), samples[0], calibration=samples[1:])
+    program = quantize_for_tosa(modules[kind]().eval(), samples[0], calibration=samples[1:])
+    return program_at(
+        program,
+        before={InsertTableOpsPass: [FoldDyTAlphaIntoLUTPass()]},
+        capture_after=InsertTableOpsPass,
+    )
 
 
 def _probe(kind, mutate=None):
-    probe = ProbePass(FoldDyTAffineIntoConvPass(), mutate)
-    passes = {
-        "before": {InsertTableOpsPass: [FoldDyTAlphaIntoLUTPass()]},
-        "after": {InsertTableOpsPass: [probe]},
-    }
-    with collect_decisions() as decisions, arm_pass_insertions(**passes):
-        lower_until_probe(lower_tosa, copy.deepcopy(_quantized(kind)))
-    assert probe.code_before is not None, "the probe never ran"
-    assert probe.code_after == probe.code_before
-    affine = [d for d in decisions if d.fold == FOLD]
-    assert [d.applied for d in affine] == [False]
-    return affine[0].detail
-
-
-def _conv(graph_module):
-    return next(
-        n
-        for n in graph_module.graph.nodes
-        if n.target == exir_ops.edge.aten.convolution.default
-        and "TABLE" not in str(n.args[0].target)
-        and n.args[1].name != "x"
-    )
+    snapshot = _snapshot(kind)
+    with collect_decisions() as decisions:
+        before, after, _ = run_pass_on(snapshot, FoldDyTAffineIntoConvPass(), mutate)
+    assert after == before
+    assert [(d.fold, d.applied) for d in decisions] == [(FOLD, False)]
+    return decisions[0].detail
 
 
 def _last_conv(graph_module):
