@@ -6,6 +6,11 @@ from etfold.backends.arm._passes import (
     mark_carried_quant_state,
     mark_carried_state_outputs,
 )
+from etfold.backends.arm._passes.fold_dyt_affine_into_conv_float_pass import (
+    FoldDyTAffineIntoConvFloatPass,
+)
+from etfold.backends.arm._passes.fold_dyt_affine_into_conv_pass import FoldDyTAffineIntoConvPass
+from etfold.backends.arm._passes.fold_dyt_alpha_into_lut_pass import FoldDyTAlphaIntoLUTPass
 from etfold.backends.arm.registration import (
     ARM_PASS_INSERTIONS,
     ArmPassInsertion,
@@ -20,6 +25,9 @@ __all__ = [
     "ARM_PASS_INSERTIONS",
     "ArmPassInsertion",
     "ArmRegistrationError",
+    "FoldDyTAffineIntoConvFloatPass",
+    "FoldDyTAffineIntoConvPass",
+    "FoldDyTAlphaIntoLUTPass",
     "FoldScalarMulIntoConvPass",
     "arm_folds_registered",
     "arm_folds_registered_now",
