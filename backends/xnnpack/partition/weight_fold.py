@@ -38,8 +38,8 @@ from etfold.exir.program.buffer_marks import BUFFER_FOLD_BLOCKERS, state_writes
 from etfold.exir.program.lower import SHARED_ACROSS_METHODS
 
 FOLD = "xnnpack.fold_gemm_weight"
-# placeholder meta that a retrace drops and the fold still needs
-_CARRIED_MARKS = (SHARED_ACROSS_METHODS, BUFFER_FOLD_BLOCKERS)
+# placeholder meta the fold reads; a retrace may drop it ("custom" holds external-file tags)
+_CARRIED_MARKS = (SHARED_ACROSS_METHODS, BUFFER_FOLD_BLOCKERS, "custom")
 
 aten = torch.ops.aten
 
