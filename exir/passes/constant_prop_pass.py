@@ -17,6 +17,11 @@ like its sources (PARAMETER if any source is one, else BUFFER if any is, else a
 lifted constant), keeps their `custom` meta, and is named
 `<first source of that kind>_prop_<sha256 of the expression>`, so the same
 expression over the same parameter gets the same name in every method.
+
+Placement. A new placeholder goes after the last placeholder of its kind (else
+after the kinds export puts before it); values are registered in graph order, so
+callers binding by position read the right tensor. A constant returned as an
+output goes through a clone in the graph's own dialect.
 """
 
 from __future__ import annotations
