@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import types
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -76,19 +77,17 @@ def lower_xnnpack(
 
 
 def export_method(module: torch.nn.Module, method: str, inputs: tuple) -> ExportedProgram:
-    """Export one method of `module` (forward or any other) as its own program."""
+    """Export one method of `module` (forward or any other) as its own program.
+
+    Parameters and buffers keep their own fully qualified names in every method,
+    so constants shared across methods are recognisable by name.
+    """
     if method == "forward":
         return torch.export.export(module, inputs)
-
-    class _Method(torch.nn.Module):
-        def __init__(self, owner: torch.nn.Module):
-            super().__init__()
-            self.owner = owner
-
-        def forward(self, *args):
-            return getattr(self.owner, method)(*args)
-
-    return torch.export.export(_Method(module), inputs)
+    # A shallow copy shares parameters, buffers and submodules; only its forward differs.
+    view = copy.copy(module)
+    view.forward = types.MethodType(getattr(type(module), method), view)
+    return torch.export.export(view, inputs)
 
 
 def eager_outputs(

@@ -85,3 +85,18 @@ def test_multi_method_program_runs_each_method():
         program.run(x, method="doubled"), eager_outputs(module, (x,), "doubled"), atol=1e-5
     )
     assert program.delegates("doubled") == 1
+
+
+def test_exported_methods_keep_the_modules_parameter_names():
+    module = TwoMethods().eval()
+    x = torch.randn(2, 16)
+    names = [
+        [
+            spec.target
+            for spec in export_method(module, method, (x,)).graph_signature.input_specs
+            if spec.target
+        ]
+        for method in ("forward", "doubled")
+    ]
+    assert names == [["linear.weight", "linear.bias"]] * 2
+    assert "forward" not in vars(module)  # the user's module keeps its own forward
