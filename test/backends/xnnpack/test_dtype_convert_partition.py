@@ -97,23 +97,9 @@ def _assert_declined(program, expected, decisions, inputs, reason_part, copies=1
 
 
 @pytest.mark.parametrize(
-    "compile_config", [None, SKIP_DIM_ORDER], ids=["dim_order", "skip_dim_order"]
-)
-def test_accepts_fp32_to_fp16_convert_of_an_activation(compile_config):
-    x = torch.randn(3, 5)
-    program, expected, decisions = _lower(
-        Convert(torch.float16), (x,), compile_config=compile_config
-    )
-    assert program.delegates() == 1 and _copies_outside(program) == 0
-    assert _applied(decisions) == ["float32 -> float16"]
-    assert torch.equal(program.run(x)[0], expected[0])
-
-
-@pytest.mark.parametrize(
-    "compile_config", [None, SKIP_DIM_ORDER], ids=["dim_order", "skip_dim_order"]
-)
-@pytest.mark.parametrize(
-    "source,target", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)]
+    "source,target,compile_config",
+    [(torch.float16, torch.bfloat16, None), (torch.bfloat16, torch.float16, SKIP_DIM_ORDER)],
+    ids=["fp16_bf16_dim_order", "bf16_fp16_skip_dim_order"],
 )
 def test_declines_when_not_to_or_from_fp32(source, target, compile_config):
     x = torch.randn(3, 5).to(source)
