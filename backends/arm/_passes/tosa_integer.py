@@ -30,6 +30,7 @@ INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 
 _MULTIPLIER_BITS = 31  # 32-bit signed multiplier: mantissa scaled to [2**30, 2**31)
+_BLOCK = 16384  # elements per block in the affine fit: half torch's intra-op grain size
 _MIN_SHIFT = 2
 _MAX_SHIFT = 62
 
@@ -139,5 +140,15 @@ def fit_exact_integer_affine(x: torch.Tensor, y: torch.Tensor) -> AffineFit:
     divides = torch.remainder(dy, dx) == 0
     slopes = torch.where(divides, torch.div(dy, dx, rounding_mode="floor"), torch.zeros_like(dy))
     offsets = y[0] - slopes * x[0]
-    on_line = (y == x[:, None] * slopes[None, :] + offsets[None, :]).all(dim=0)
+    on_line = torch.empty_like(divides)
+    # Column blocks of at most _BLOCK elements: every op stays under torch's
+    # parallel grain size and runs on the calling thread (waking the intra-op
+    # pool costs far more than this work on a busy host). eq_ keeps int64, and
+    # amin over it is the cheap "all".
+    step = max(1, _BLOCK // x.numel())
+    for start in range(0, y.shape[1], step):
+        stop = start + step
+        line = x[:, None] * slopes[None, start:stop]
+        line.add_(offsets[None, start:stop])
+        on_line[start:stop] = line.eq_(y[:, start:stop]).amin(dim=0) == 1
     return AffineFit(slopes, offsets, divides & on_line)
