@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from executorch.backends.xnnpack.utils.quant_utils import is_dequant, is_quant
 from executorch.exir.dialects._ops import ops as exir_ops
 from torch.export import ExportedProgram
 
@@ -94,6 +95,11 @@ def keeps_layout(node: torch.fx.Node) -> bool:
     )
 
 
+def touches_quantization(node: torch.fx.Node) -> bool:
+    """Reads a dequantize or feeds a quantize: XNNPACK would fold the q/dq into the convert."""
+    return is_dequant(node.args[0]) or any(is_quant(user) for user in node.users)
+
+
 def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
     seen: set[torch.fx.Node] = set()
     stack = [node]
@@ -168,6 +174,8 @@ def match_dtype_convert(node: torch.fx.Node) -> DtypeConvert | Declined:
         )
     if not keeps_layout(node):
         return Declined("the copy changes dtype and layout at once")
+    if touches_quantization(node):
+        return Declined("the copy reads a dequantize or feeds a quantize node")
     return DtypeConvert(node, source, target)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from executorch.exir import EdgeCompileConfig
 
 from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.backends.xnnpack._passes.dtype_convert_match import (
@@ -15,13 +16,14 @@ from etfold.demo_models.mixed_precision_decoders import tiny_gemma3, tiny_llama,
 from etfold.harness.xnnpack_runner import lower_module_xnnpack
 
 NARROW = [torch.bfloat16, torch.float16]
+SKIP_DIM_ORDER = EdgeCompileConfig(_skip_dim_order=True)
 NARROW_IDS = ["bf16", "fp16"]
 
 
-def _lower(module, inputs):
+def _lower(module, inputs, **kwargs):
     partitioner = XnnpackPartitioner(enable_bf16=True, fold_weights=False)
     with collect_decisions() as decisions:
-        program, expected = lower_module_xnnpack(module, inputs, [partitioner])
+        program, expected = lower_module_xnnpack(module, inputs, [partitioner], **kwargs)
     applied = [d for d in decisions if d.fold == FOLD and d.applied]
     return program, expected, applied
 
@@ -38,12 +40,15 @@ class ConvInFp32(torch.nn.Module):
         return self.conv(x.float()).to(self.dtype)
 
 
+@pytest.mark.parametrize(
+    "compile_config", [None, SKIP_DIM_ORDER], ids=["dim_order", "skip_dim_order"]
+)
 @pytest.mark.parametrize("dtype", NARROW, ids=NARROW_IDS)
-def test_channels_last_conv_between_converts_matches_eager_fp32_inside(dtype):
+def test_channels_last_conv_between_converts_matches_eager_fp32_inside(dtype, compile_config):
     torch.manual_seed(0)
     module = ConvInFp32(dtype).eval()
     x = (3 * torch.randn(1, 4, 9, 7)).to(dtype)
-    program, (expected,), applied = _lower(module, (x,))
+    program, (expected,), applied = _lower(module, (x,), compile_config=compile_config)
     assert program.delegates() == 1 and not program.ops_outside()
     assert len(applied) == 2
     (actual,) = program.run(x)

@@ -267,3 +267,20 @@ def test_preprocess_rewrite_turns_the_copy_into_a_convert_in_place(compile_confi
     assert copy.target.__name__ == "prims.convert_element_type.default"
     assert copy.args[1] == torch.bfloat16
     assert _applied(decisions) == ["float32 -> bfloat16"]
+
+
+class DequantizeThenHalf(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
+
+        ops = torch.ops.quantized_decomposed
+        q = ops.quantize_per_tensor.default(x, 0.05, 0, -128, 127, torch.int8)
+        return ops.dequantize_per_tensor.default(q, 0.05, 0, -128, 127, torch.int8).half()
+
+
+def test_declines_when_the_copy_touches_quantization():
+    x = torch.randn(4, 8)
+    program, expected, decisions = _lower(DequantizeThenHalf(), (x,))
+    _assert_declined(
+        program, expected, decisions, (x,), "reads a dequantize or feeds a quantize node"
+    )
