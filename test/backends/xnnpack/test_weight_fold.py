@@ -504,3 +504,24 @@ def test_declines_when_the_program_is_for_training():
 
     loss = load_program(executorch).run_method("forward", inputs)[0]
     torch.testing.assert_close(loss, module(*inputs).detach(), atol=ATOL, rtol=0)
+
+
+def test_declines_when_the_weight_comes_from_a_higher_order_op():
+    class CondWeight(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 16))
+            self.flag = torch.nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, x):
+            w = torch.cond(self.flag > 0, lambda w: w * 2, lambda w: w * 3, (self.w,))
+            return torch.nn.functional.linear(x, w)
+
+    module = CondWeight().eval()
+    x = torch.randn(4, 16)
+    program = export_method(module, "forward", (x,))
+    with collect_decisions() as decisions:
+        assert _hook(program) is program
+    assert any("which is not an ATen op" in r for r in _declined(decisions, "linear.weight"))
+    lowered, reference = _lower_etfold(module, (x,))
+    assert_close(lowered.run(x), reference, atol=ATOL)

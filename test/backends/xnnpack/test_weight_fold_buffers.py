@@ -194,6 +194,16 @@ def test_marks_are_recomputed_not_accumulated():
     assert _placeholder(read, "w").meta[BUFFER_FOLD_BLOCKERS] == ()
 
 
+def test_a_functionalized_mutation_counts_as_a_write():
+    module = _Cache().eval()
+    copy = export_as(module, "copy", (torch.randn(8, 16),)).run_decompositions({})
+    read = export_as(module, "read", (torch.randn(4, 16),))
+    mark_buffer_fold_blockers({"read": read, "copy": copy})
+    assert _placeholder(read, "w").meta[BUFFER_FOLD_BLOCKERS][0] == (
+        "method `copy` may write it (a functionalized mutation)"
+    )
+
+
 def test_declines_when_the_buffer_was_never_judged():
     torch.manual_seed(0)
     module = spectral_norm(torch.nn.Linear(16, 8)).eval()
