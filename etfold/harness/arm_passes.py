@@ -104,14 +104,29 @@ def program_at(program, *, before=None, after=None, capture_before=None, capture
     return capture.snapshot
 
 
-def run_pass_on(snapshot, pass_instance, mutate=None):
-    """Run `pass_instance` on a copy of `snapshot` after `mutate(graph_module, program)`.
+def run_pass_on(snapshot, pass_instance, mutate=None, profile: str | None = None):
+    """Run `pass_instance` on a copy of `snapshot` after `mutate(graph_module, program)`,
+    inside the TOSA lowering context the backend pipeline provides.
 
     Returns (code before the pass, code after it, the program).
     """
     import copy
 
+    from executorch.backends.arm.tosa.specification import (
+        TosaLoweringContext,
+        TosaSpecification,
+    )
+    from torch._export.utils import _get_shape_env_from_gm
+
+    from etfold.harness.tosa_runner import INT
+
     program = copy.deepcopy(snapshot)
+    spec = TosaSpecification.create_from_string(profile or INT)
+    with TosaLoweringContext(spec, _get_shape_env_from_gm(program.graph_module)):
+        return _run_pass(program, pass_instance, mutate)
+
+
+def _run_pass(program, pass_instance, mutate):
     graph_module = program.graph_module
     if mutate is not None:
         mutate(graph_module, program)
@@ -119,6 +134,8 @@ def run_pass_on(snapshot, pass_instance, mutate=None):
     before = graph_module.code
     pass_instance.exported_program = program
     result = pass_instance(graph_module)
+    if result.modified:  # as ArmPassManager's adapter does
+        program._graph_module = result.graph_module
     return before, result.graph_module.code, program
 
 

@@ -103,6 +103,20 @@ def _with_affine(gamma, beta, **conv):
     return module
 
 
+class ChannelSlice(torch.nn.Module):
+    """A DyTConv whose conv reads only channels 1: of the DyT output."""
+
+    def __init__(self, site):
+        super().__init__()
+        self.site = site
+        site.conv = torch.nn.Conv2d(3, 4, 1)
+
+    def forward(self, x):
+        dyt = self.site.dyt
+        y = dyt(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2) if self.site.nhwc else dyt(x)
+        return self.site.conv(y[:, 1:])
+
+
 # gamma 2 doubles the tanh range, so the sum's scale is exactly twice the TABLE's:
 # slope 1 on three channels, and channel 2 (gamma 0) is the constant beta: slope 0 plus an offset
 EXACT = dict(gamma=[2.0, 2.0, 0.0, 2.0], beta=[0.0, 0.0, 0.7, 0.0])
@@ -122,16 +136,19 @@ def test_exact_sites_fold_or_keep_beta_bit_identically(nhwc):
         ),
         # padded conv, exact affine with an offset: beta would differ on the border
         _with_affine(**EXACT, nhwc=nhwc, kernel_size=3, padding=1, alpha=0.7),
+        # the conv reads channels 1: of the affine, through one slice
+        ChannelSlice(_with_affine(**EXACT, nhwc=nhwc, alpha=0.8)),
     ]
     before, after, affine = _lower_both(Sites(sites), _inputs())
-    exact, singleton, kept_beta, padded = affine
+    exact, singleton, kept_beta, padded, sliced = affine
     assert exact.applied and "slopes [0, 1], 1 channels with an offset" in exact.detail
     assert singleton.applied and "slopes [0], 4 channels with an offset" in singleton.detail
     assert kept_beta.applied and "removed the identity gamma, kept beta" in kept_beta.detail
     assert not padded.applied
     assert padded.detail == "padded conv: beta's contribution at the border is not one bias"
-    assert (before["MUL"], before["ADD"]) == (8, 4)
-    # alphas: -4 MUL; exact and singleton: -2 MUL -2 ADD; kept beta: -1 MUL
+    assert sliced.applied and "slopes [0, 1], 1 channels with an offset" in sliced.detail
+    assert (before["MUL"], before["ADD"]) == (10, 5)
+    # alphas: -5 MUL; exact, singleton, sliced: -3 MUL -3 ADD; kept beta: -1 MUL
     assert (after["MUL"], after["ADD"]) == (1, 2)
     assert after["RESCALE"] < before["RESCALE"]
 
@@ -167,6 +184,35 @@ def _probe(kind, mutate=None):
     assert after == before
     assert [(d.fold, d.applied) for d in decisions] == [(FOLD, False)]
     return decisions[0].detail
+
+
+def _placeholder_behind(node):
+    while node.op != "placeholder":
+        node = node.args[0]
+    return node.name
+
+
+def test_fold_removes_constants_nothing_reads_any_more():
+    snapshot = _snapshot("exact")
+    graph = snapshot.graph_module.graph
+    mul = next(n for n in graph.nodes if n.target == exir_ops.edge.aten.mul.Tensor)
+    add = next(n for n in graph.nodes if n.target == exir_ops.edge.aten.add.Tensor)
+    conv = _last_conv(snapshot.graph_module)
+    gamma = _placeholder_behind(
+        next(a for a in mul.args if a.target == exir_ops.edge.aten.view_copy.default)
+    )
+    beta = _placeholder_behind(
+        next(a for a in add.args if a.target == exir_ops.edge.aten.view_copy.default)
+    )
+    gone = {gamma, beta, conv.args[1].name, conv.args[2].name}
+    with collect_decisions() as decisions:
+        _, _, program = run_pass_on(snapshot, FoldDyTAffineIntoConvPass())
+    assert [(d.fold, d.applied) for d in decisions] == [(FOLD, True)]
+    placeholders = {n.name for n in program.graph_module.graph.nodes if n.op == "placeholder"}
+    assert not gone & placeholders
+    assert not gone & set(program.graph_signature.inputs_to_buffers)
+    folded = _last_conv(program.graph_module)
+    assert "dyt_folded_for" in folded.args[1].name and "dyt_folded_for" in folded.args[2].name
 
 
 def _last_conv(graph_module):
