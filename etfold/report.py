@@ -19,6 +19,7 @@ import torch
 from etfold.decisions import FoldDecision, collect_decisions
 from etfold.demo_models import DemoModel
 from etfold.harness import tosa_runner, xnnpack_runner
+from etfold.harness.modules import in_eval_mode
 
 FLAVOURS = ("stock", "etfold")
 
@@ -66,7 +67,7 @@ def _xnnpack_lowering(flavour: str, program):
 
 
 def _run_xnnpack(outcome: Outcome, module, inputs, reference, runs: int) -> None:
-    program = torch.export.export(module.eval(), inputs)
+    program = torch.export.export(in_eval_mode(module), inputs)
     with collect_decisions() as decisions:
         lowered = _xnnpack_lowering(outcome.flavour, program)
     _summarize(decisions, outcome)

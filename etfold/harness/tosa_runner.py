@@ -28,6 +28,7 @@ from etfold.harness.inspection import (
     ops_outside_delegates,
     tosa_operator_counts,
 )
+from etfold.harness.modules import in_eval_mode
 
 INT = "TOSA-1.0+INT"
 FP = "TOSA-1.0+FP"
@@ -58,7 +59,7 @@ def quantize_for_tosa(
     profile: str = INT,
 ) -> ExportedProgram:
     """export → prepare_pt2e (runs the Arm annotation pipeline) → calibrate → convert → export."""
-    exported = torch.export.export(module.eval(), inputs)
+    exported = torch.export.export(in_eval_mode(module), inputs)
     return quantize_exported_for_tosa(exported, inputs, calibration=calibration, profile=profile)
 
 
@@ -289,7 +290,7 @@ def lower_module_tosa(
     The eager reference comes from a deep copy taken before lowering: stock Arm
     lowering can write into the user's module.
     """
-    module = module.eval()
+    module = in_eval_mode(module)
     with torch.no_grad():
         out = copy.deepcopy(module)(*inputs)
     reference = [out] if isinstance(out, torch.Tensor) else list(out)

@@ -15,6 +15,7 @@ from executorch.exir import to_edge_transform_and_lower as upstream_to_edge_tran
 from torch.export import ExportedProgram
 
 from etfold.harness.inspection import delegate_count, ops_outside_delegates
+from etfold.harness.modules import in_eval_mode
 
 Programs = ExportedProgram | Mapping[str, ExportedProgram]
 
@@ -106,7 +107,7 @@ def lower_module_xnnpack(
     **lower_kwargs,
 ) -> tuple[XnnpackProgram, list[torch.Tensor]]:
     """Export `module.forward`, lower and load it; return it with the eager reference."""
-    module = module.eval()
+    module = in_eval_mode(module)
     reference = eager_outputs(module, inputs)
     program = lower_xnnpack(export_method(module, "forward", inputs), partitioners, **lower_kwargs)
     return program, reference
