@@ -122,6 +122,8 @@ def _layout(conv: Node) -> _Layout | None:
                 return None
             if dim % len(shape) == axis:
                 start, end, step = (list(node.args[2:5]) + [None, None, 1])[:3]
+                if not all(v is None or type(v) is int for v in (start, end, step)):
+                    return None
                 kept = torch.arange(source_shape[axis])[slice(start, end, step)]
                 index = kept if index is None else kept[index]
         nodes.append(node)
