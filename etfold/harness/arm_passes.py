@@ -140,11 +140,11 @@ def _run_pass(program, pass_instance, mutate):
 
 
 class ProbeStop(Exception):
-    """Raised by ProbePass once it has run: the lowering stops there by design."""
+    """Raised by CapturePass once it has run: the lowering stops there by design."""
 
 
 def lower_until_probe(lower, program) -> None:
-    """Call `lower(program)`, expecting a ProbePass to stop it; re-raise anything else."""
+    """Call `lower(program)`, expecting a CapturePass to stop it; re-raise anything else."""
     try:
         lower(program)
     except Exception as error:  # the pass manager wraps the ProbeStop
