@@ -34,6 +34,15 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from etfold.decisions import Declined, record_applied, record_declined
+from etfold.exir.passes.constant_prop_pass import (
+    allocates_memory,
+    constant_prop_pass,
+    is_fill_factory,
+    is_impure,
+    is_nondeterministic,
+    is_quant_primitive,
+)
+from etfold.exir.passes.graph_walk import input_kinds
 from etfold.exir.program.buffer_marks import BUFFER_FOLD_BLOCKERS, state_writes
 from etfold.exir.program.lower import SHARED_ACROSS_METHODS
 
@@ -72,20 +81,6 @@ _SLOTS_BY_CONFIG: dict[type, dict[torch._ops.OpOverloadPacket, GemmSlots]] = {
     MMConfig: {aten.mm: GemmSlots(1, None), aten.matmul: GemmSlots(1, None, weight_rank=2)},
 }
 
-_FILL_FACTORIES = frozenset(
-    {
-        aten.full,
-        aten.new_full,
-        aten.ones,
-        aten.new_ones,
-        aten.zeros,
-        aten.new_zeros,
-        aten.full_like,
-        aten.ones_like,
-        aten.zeros_like,
-    }
-)
-_QUANTIZATION_NAMESPACES = frozenset({"quantized_decomposed", "torchao"})
 _STATE_KINDS = {
     InputKind.PARAMETER: "parameter",
     InputKind.BUFFER: "buffer",
@@ -167,24 +162,13 @@ def is_static_state(program: ExportedProgram, node: torch.fx.Node) -> bool:
     return node.op == "placeholder" and _state_kind(program, node) is not None
 
 
-def is_fill_factory(node: torch.fx.Node) -> bool:
-    return _packet(node) in _FILL_FACTORIES
+# fill factories (full, ones_like, ...), quantization primitives (quantized_decomposed, torchao),
+# allocations, impure and nondeterministic ops: the predicates etfold's constant_prop_pass declines on
 
 
-def is_quantization_op(node: torch.fx.Node) -> bool:
-    return (
-        isinstance(node.target, torch._ops.OpOverload)
-        and node.target.namespace in _QUANTIZATION_NAMESPACES
-    )
-
-
-def is_impure(node: torch.fx.Node) -> bool:
+def is_mutating(node: torch.fx.Node) -> bool:
     target = node.target
-    if isinstance(target, torch._ops.OpOverload) and (
-        target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
-    ):
-        return True
-    return node.is_impure()
+    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
 
 
 def is_known_pure_target(node: torch.fx.Node) -> bool:
@@ -223,10 +207,8 @@ def _packet(node: torch.fx.Node):
 
 
 def _state_kind(program: ExportedProgram, node: torch.fx.Node) -> str | None:
-    for spec in program.graph_signature.input_specs:
-        if spec.arg.name == node.name:
-            return _STATE_KINDS.get(spec.kind)
-    return None
+    kind = input_kinds(program).get(node.name)
+    return _STATE_KINDS.get(kind) if kind is not None else None
 
 
 def _rank(node: torch.fx.Node) -> int | None:
@@ -295,12 +277,14 @@ def _op_verdict(node: torch.fx.Node) -> Declined | None:
         return Declined(f"`{node.name}` calls {node.target}, which is not an ATen op")
     if is_fill_factory(node):
         return Declined(f"`{node.name}` is a fill factory ({_packet(node)}), kept as an op")
-    if is_quantization_op(node):
+    if is_quant_primitive(node):
         return Declined(
             f"`{node.name}` is a quantization op ({node.target}); the Q/DQ chain stays as it came"
         )
-    if is_impure(node):
-        return Declined(f"`{node.name}` ({node.target}) is impure or mutating")
+    if allocates_memory(node):
+        return Declined(f"`{node.name}` ({node.target}) allocates uninitialized memory")
+    if is_impure(node) or is_mutating(node) or is_nondeterministic(node):
+        return Declined(f"`{node.name}` ({node.target}) is impure, mutating or random")
     return None
 
 
@@ -480,8 +464,6 @@ def _record(plan: WeightFoldPlan) -> None:
 
 def apply_weight_folds(program: ExportedProgram, plan: WeightFoldPlan) -> ExportedProgram:
     """Rewrite: hand exactly the planned nodes to etfold's constant_prop_pass."""
-    from etfold.exir.passes.constant_prop_pass import constant_prop_pass
-
     return constant_prop_pass(
         program,
         nodes_to_fold=set(plan.nodes_to_fold),
