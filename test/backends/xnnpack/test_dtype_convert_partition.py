@@ -284,3 +284,23 @@ def test_declines_when_the_copy_touches_quantization():
     _assert_declined(
         program, expected, decisions, (x,), "reads a dequantize or feeds a quantize node"
     )
+
+
+def test_a_delegated_convert_serializes_as_one_xnnconvert_node(monkeypatch):
+    from executorch.backends.xnnpack.serialization.xnnpack_graph_schema import XNNConvert
+
+    from etfold.backends.xnnpack.operators.op_convert import XNNConvertVisitor
+
+    serialized = []
+    define_node = XNNConvertVisitor.define_node
+
+    def spy(self, node, xnn_graph, vals_to_ids, debug_handle):
+        define_node(self, node, xnn_graph, vals_to_ids, debug_handle)
+        serialized.append(xnn_graph.xnodes[-1].xnode_union)
+
+    monkeypatch.setattr(XNNConvertVisitor, "define_node", spy)
+    x = torch.randn(2, 6)
+    program, expected, _ = _lower(Convert(torch.bfloat16), (x,))
+    assert [type(n) for n in serialized] == [XNNConvert]
+    assert serialized[0].input_id != serialized[0].output_id
+    assert torch.equal(program.run(x)[0], expected[0])
