@@ -129,3 +129,16 @@ def test_convert_classification_sees_through_delegates():
     assert float_converts_outside_delegates(program.edge.exported_program()) == {"constant": 1}
     for actual, reference in zip(program.run(x), expected, strict=True):
         torch.testing.assert_close(actual, reference, atol=1e-3, rtol=1e-2)
+
+
+def test_report_models_are_the_tiny_gemma3_in_bf16_and_fp16():
+    from etfold.demo_models.mixed_precision_decoders import MODELS
+
+    built = {m.name: (m.backend, m.build()) for m in MODELS}
+    assert set(built) == {"gemma3_tiny_bf16", "gemma3_tiny_fp16"}
+    for name, dtype in [("gemma3_tiny_bf16", torch.bfloat16), ("gemma3_tiny_fp16", torch.float16)]:
+        backend, (module, (ids,)) = built[name]
+        assert backend == "xnnpack" and ids.shape == (1, 32)
+        assert {p.dtype for p in module.parameters()} == {dtype}
+        with torch.no_grad():
+            assert module(ids).shape == (1, 32, 1000)
