@@ -142,3 +142,32 @@ def test_report_models_are_the_tiny_gemma3_in_bf16_and_fp16():
         assert {p.dtype for p in module.parameters()} == {dtype}
         with torch.no_grad():
             assert module(ids).shape == (1, 32, 1000)
+
+
+class RoundTrip(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 3).to(self.dtype).to(torch.float32) * 2
+
+
+@pytest.mark.parametrize(
+    "compile_config", [None, SKIP_DIM_ORDER], ids=["dim_order", "skip_dim_order"]
+)
+@pytest.mark.parametrize("dtype", NARROW, ids=NARROW_IDS)
+def test_back_to_back_converts_are_not_removed_as_redundant(dtype, compile_config):
+    """fp32 -> narrow -> fp32 rounds; dropping the pair as a no-op copy would not."""
+    x = torch.randn(4, 16) + 1
+    program, (expected,), applied = _lower(RoundTrip(dtype), (x,), compile_config=compile_config)
+    assert program.delegates() == 1
+    assert [d.detail for d in applied] == [
+        f"float32 -> {str(dtype)[6:]}",
+        f"{str(dtype)[6:]} -> float32",
+    ]
+    # only the int64 -> float32 casts of the lifted scalars 3 and 2 stay outside
+    assert float_converts_outside_delegates(program.edge.exported_program())["activation"] == 0
+    (actual,) = program.run(x)
+    assert torch.equal(actual, expected)
+    assert not torch.equal(actual, x * 6)
