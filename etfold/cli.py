@@ -42,14 +42,7 @@ def _report(args) -> int:
             print(f"{m.name:28s} {m.backend:8s} {m.description}")
         return 0
     if args.program:
-        jobs = [
-            (
-                args.program,
-                args.backend or "xnnpack",
-                report.program_builder(args.program),
-                lambda: [],
-            )
-        ]
+        selected = [report.user_program(args.program, args.backend or "xnnpack")]
     else:
         known = {m.name: m for m in models}
         unknown = sorted(set(args.model or []) - set(known))
@@ -58,13 +51,13 @@ def _report(args) -> int:
             return 2
         selected = [known[n] for n in args.model] if args.model else models
         selected = [m for m in selected if args.backend in (None, m.backend)]
-        jobs = [(m.name, m.backend, m.build, m.calibration) for m in selected]
     outcomes = []
-    for index, (name, backend, build, calibration) in enumerate(jobs, 1):
+    for index, model in enumerate(selected, 1):
         _progress(
-            f"[{index}/{len(jobs)}] {name} on {backend}: lowering with stock ExecuTorch and with etfold…"
+            f"[{index}/{len(selected)}] {model.name} on {model.backend}: "
+            "lowering with stock ExecuTorch and with etfold…"
         )
-        outcomes += report.evaluate(name, backend, build, runs=args.runs, calibration=calibration)
+        outcomes += report.evaluate(model, runs=args.runs)
     if args.json:
         rows = report.as_json_rows(outcomes)
         for row in rows:  # JSON has no NaN

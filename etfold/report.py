@@ -11,8 +11,9 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,8 +35,8 @@ class Outcome:
     pte_bytes: int = 0
     median_ms: float = float("nan")
     max_error: float = float("nan")
-    applied: list[str] = field(default_factory=list)
-    declined: list[str] = field(default_factory=list)
+    applied: list[dict[str, str]] = field(default_factory=list)  # {fold, where, detail}
+    declined: list[dict[str, str]] = field(default_factory=list)
     failure: str | None = None
 
 
@@ -51,25 +52,33 @@ def _median_ms(run: Callable[[], object], runs: int) -> float:
 
 def _summarize(decisions: Sequence[FoldDecision], outcome: Outcome) -> None:
     for d in decisions:
-        text = f"{d.fold} @ {d.where}" + (f": {d.detail}" if d.detail else "")
-        (outcome.applied if d.applied else outcome.declined).append(text)
+        record = {"fold": d.fold, "where": d.where, "detail": d.detail}
+        (outcome.applied if d.applied else outcome.declined).append(record)
 
 
-def _xnnpack_lowering(flavour: str, program):
+def _xnnpack_lowering(flavour: str, program, partitioner_kwargs: Mapping[str, Any]):
     if flavour == "stock":
-        return xnnpack_runner.lower_xnnpack(program)
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+            XnnpackPartitioner as UpstreamXnnpackPartitioner,
+        )
+
+        return xnnpack_runner.lower_xnnpack(
+            program, [UpstreamXnnpackPartitioner(**partitioner_kwargs)]
+        )
     from etfold.backends.xnnpack import XnnpackPartitioner
     from etfold.exir import to_edge_transform_and_lower
 
     return xnnpack_runner.lower_xnnpack(
-        program, [XnnpackPartitioner()], lower=to_edge_transform_and_lower
+        program, [XnnpackPartitioner(**partitioner_kwargs)], lower=to_edge_transform_and_lower
     )
 
 
-def _run_xnnpack(outcome: Outcome, module, inputs, reference, runs: int) -> None:
+def _run_xnnpack(
+    outcome: Outcome, module, inputs, reference, runs: int, partitioner_kwargs: Mapping[str, Any]
+) -> None:
     program = torch.export.export(in_eval_mode(module), inputs)
     with collect_decisions() as decisions:
-        lowered = _xnnpack_lowering(outcome.flavour, program)
+        lowered = _xnnpack_lowering(outcome.flavour, program, partitioner_kwargs)
     _summarize(decisions, outcome)
     outcome.delegates = lowered.delegates()
     outcome.ops_outside = dict(lowered.ops_outside())
@@ -99,28 +108,21 @@ def _run_arm(outcome: Outcome, module, inputs, reference, runs: int, calibration
     outcome.median_ms = _median_ms(lambda: lowered.run(*inputs), runs)
 
 
-def evaluate(
-    name: str,
-    backend: str,
-    build: Callable[[], tuple[torch.nn.Module, tuple]],
-    *,
-    runs: int = 5,
-    calibration: Callable[[], list[tuple]] = lambda: [],
-) -> list[Outcome]:
+def evaluate(model: DemoModel, *, runs: int = 5) -> list[Outcome]:
     """Stock and etfold outcomes for one model; a failing lowering is reported, not raised."""
-    module, inputs = build()
+    module, inputs = model.build()
     reference = xnnpack_runner.eager_outputs(module, inputs)
     outcomes = []
     for flavour in FLAVOURS:
-        outcome = Outcome(name, backend, flavour)
-        module, inputs = build()
+        outcome = Outcome(model.name, model.backend, flavour)
+        module, inputs = model.build()
         try:
-            if backend == "xnnpack":
-                _run_xnnpack(outcome, module, inputs, reference, runs)
-            elif backend == "arm":
-                _run_arm(outcome, module, inputs, reference, runs, calibration())
+            if model.backend == "xnnpack":
+                _run_xnnpack(outcome, module, inputs, reference, runs, model.partitioner_kwargs)
+            elif model.backend == "arm":
+                _run_arm(outcome, module, inputs, reference, runs, model.calibration())
             else:
-                raise ValueError(f"unknown backend {backend!r}")
+                raise ValueError(f"unknown backend {model.backend!r}")
         except Exception as error:  # the report shows a failed lowering instead of dying
             outcome.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
             traceback.print_exc(file=sys.stderr)
@@ -128,14 +130,8 @@ def evaluate(
     return outcomes
 
 
-def evaluate_demo(model: DemoModel, runs: int) -> list[Outcome]:
-    return evaluate(
-        model.name, model.backend, model.build, runs=runs, calibration=model.calibration
-    )
-
-
-def program_builder(path: str) -> Callable[[], tuple[torch.nn.Module, tuple]]:
-    """A builder for a user's `.pt2`: each call loads it afresh."""
+def user_program(path: str, backend: str) -> DemoModel:
+    """A user's `.pt2` as a report model; each build loads it afresh."""
 
     def build():
         program = torch.export.load(path)
@@ -148,7 +144,7 @@ def program_builder(path: str) -> Callable[[], tuple[torch.nn.Module, tuple]]:
             raise ValueError(f"{path}: keyword example inputs are not supported by the report")
         return program.module(check_guards=False), tuple(args)
 
-    return build
+    return DemoModel(path, backend, build, "a user's exported program")
 
 
 def _ops_text(ops: dict[str, int]) -> str:
@@ -199,10 +195,15 @@ def format_table(outcomes: Sequence[Outcome]) -> str:
     out = [line(header), line(tuple("-" * w for w in widths)), *map(line, rows)]
     notes = []
     for o in outcomes:
-        for text in o.applied:
-            notes.append(f"  {o.model} [{o.flavour}] applied  {text}")
-        for text in o.declined:
-            notes.append(f"  {o.model} [{o.flavour}] declined {text}")
+        for verdict, records in (("applied ", o.applied), ("declined", o.declined)):
+            groups = Counter((r["fold"], r["detail"]) for r in records)
+            example = {(r["fold"], r["detail"]): r["where"] for r in reversed(records)}
+            for (fold, detail), count in groups.items():
+                times = f" ×{count}" if count > 1 else ""
+                where = f"e.g. {example[fold, detail]}" if count > 1 else example[fold, detail]
+                notes.append(
+                    f"  {o.model} [{o.flavour}] {verdict} {fold}{times}: {detail or '-'} ({where})"
+                )
     if notes:
         out += ["", "fold decisions:", *notes]
     return "\n".join(out)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -18,6 +19,8 @@ class DemoModel:
     written in code) and its example inputs. `backend` is "xnnpack" or "arm"
     (Arm models are quantized for TOSA-1.0+INT and run on the reference model).
     `calibration` returns extra calibration samples for Arm models.
+    `partitioner_kwargs` go to both XNNPACK partitioners, stock and etfold
+    (e.g. `enable_bf16=True`), so the comparison is like for like.
     """
 
     name: str
@@ -25,3 +28,4 @@ class DemoModel:
     build: Callable[[], Built]
     description: str
     calibration: Callable[[], list[tuple[torch.Tensor, ...]]] = field(default=lambda: [])
+    partitioner_kwargs: Mapping[str, Any] = field(default_factory=dict)

@@ -96,6 +96,7 @@ MODELS = [
         "xnnpack",
         _gemma3(torch.bfloat16),
         "Gemma3 (2 layers, hidden 256) in bf16: fp32 RMSNorm/rotary converts between bf16 ops",
+        partitioner_kwargs={"enable_bf16": True},
     ),
     DemoModel(
         "gemma3_tiny_fp16",

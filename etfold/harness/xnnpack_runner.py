@@ -36,6 +36,9 @@ class XnnpackProgram:
     edge: EdgeProgramManager
     executorch: ExecutorchProgramManager
     _runtime: Any = field(repr=False)
+    # read before to_executorch(), which rewrites the edge programs in place (alloc, .out ops)
+    _delegates: dict[str, int] = field(default_factory=dict, repr=False)
+    _ops_outside: dict[str, Counter[str]] = field(default_factory=dict, repr=False)
 
     def run(self, *inputs: torch.Tensor, method: str = "forward") -> list[torch.Tensor]:
         return list(self._runtime.run_method(method, tuple(inputs)))
@@ -45,10 +48,11 @@ class XnnpackProgram:
         return len(self.executorch.buffer)
 
     def delegates(self, method: str = "forward") -> int:
-        return delegate_count(self.edge.exported_program(method))
+        return self._delegates[method]
 
     def ops_outside(self, method: str = "forward") -> Counter[str]:
-        return ops_outside_delegates(self.edge.exported_program(method))
+        """Ops left outside delegates in the lowered edge program (before emission)."""
+        return Counter(self._ops_outside[method])
 
 
 def load_program(executorch: ExecutorchProgramManager) -> Any:
@@ -71,10 +75,13 @@ def lower_xnnpack(
         partitioner=list(partitioners) if partitioners is not None else default_partitioners(),
         compile_config=compile_config,
     )
+    methods = edge.methods
+    delegates = {m: delegate_count(edge.exported_program(m)) for m in methods}
+    ops_outside = {m: ops_outside_delegates(edge.exported_program(m)) for m in methods}
     executorch = (
         edge.to_executorch(executorch_config) if executorch_config else edge.to_executorch()
     )
-    return XnnpackProgram(edge, executorch, load_program(executorch))
+    return XnnpackProgram(edge, executorch, load_program(executorch), delegates, ops_outside)
 
 
 def export_method(module: torch.nn.Module, method: str, inputs: tuple) -> ExportedProgram:

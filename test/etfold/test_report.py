@@ -50,12 +50,22 @@ def test_table_lists_every_row_and_decision():
     outcomes = [
         report.Outcome("m", "xnnpack", "stock", 2, {"aten.add.Tensor": 1}, 100, 1.0, 0.0),
         report.Outcome(
-            "m", "xnnpack", "etfold", 1, {}, 90, 0.5, 0.0, ["fold.x @ n: ok"], ["fold.y @ k: why"]
+            "m",
+            "xnnpack",
+            "etfold",
+            1,
+            {},
+            90,
+            0.5,
+            0.0,
+            applied=[{"fold": "fold.x", "where": "n", "detail": "ok"}],
+            declined=[{"fold": "fold.y", "where": f"k{i}", "detail": "why"} for i in range(3)],
         ),
         report.Outcome("n", "arm", "stock", failure="RuntimeError: boom"),
     ]
     table = report.format_table(outcomes)
-    assert "fold.y @ k: why" in table and "declined" in table
+    assert "declined fold.y ×3: why (e.g. k0)" in table
+    assert "applied  fold.x: ok (n)" in table
     assert "FAILED: RuntimeError: boom" in table
     assert len(table.splitlines()) == 2 + 3 + 2 + 2
 
