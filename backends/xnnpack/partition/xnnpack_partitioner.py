@@ -16,6 +16,7 @@ from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
 from executorch.exir.backend.partitioner import DelegationSpec, PartitionResult
 from torch.export import ExportedProgram
 
+from etfold.backends.xnnpack._passes.widen_fp16_gelu_pass import widen_fp16_gelu
 from etfold.backends.xnnpack.install import DTYPE_CONVERTS_SPEC, install
 from etfold.backends.xnnpack.partition.config.convert_config import with_dtype_convert_configs
 from etfold.backends.xnnpack.partition.weight_fold import fold_gemm_weights, seed_slots
@@ -44,6 +45,8 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
     # ---- weight fold (issue 4): parameter-only GEMM weights become static before partitioning
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
         exported_program = super().transform_for_pre_decomposition(exported_program)
+        if self.delegate_dtype_converts:
+            exported_program = widen_fp16_gelu(exported_program)
         if not self.fold_weights:
             return exported_program
         slots = seed_slots(self.target_partitioner_configs.values())
