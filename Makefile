@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # This machine keeps the CPU build of torch 2.13.0 in /opt/wheels; elsewhere pip's own config applies.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 
-.PHONY: install report test lint bench
+.PHONY: install report test lint bench buck
 
 install: $(STAMP)
 
@@ -27,3 +27,6 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	for script in bench/bench_*.py; do $(VENV)/bin/python $$script || exit 1; done
+
+buck:
+	$(PYTHON) tools/buck_targets.py
