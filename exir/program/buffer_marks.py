@@ -26,6 +26,8 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from etfold.exir.passes.graph_walk import op_qualified_name
+
 BUFFER_FOLD_BLOCKERS = "etfold_buffer_fold_blockers"
 
 
@@ -72,17 +74,11 @@ def in_place_writes(start: torch.fx.Node) -> list[str]:
                 continue
             roles = _argument_roles(user, value)
             if "write" in roles or "unknown" in roles:
-                writes.append(_target_name(user.target))
+                writes.append(op_qualified_name(user.target))
             if "alias" in roles and user not in seen:
                 seen.add(user)
                 stack.append(user)
     return writes
-
-
-def _target_name(target) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
-    return getattr(target, "__name__", str(target))
 
 
 def buffer_placeholders(program: ExportedProgram) -> dict[str, torch.fx.Node]:
