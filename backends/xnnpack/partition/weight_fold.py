@@ -37,12 +37,13 @@ from etfold.decisions import Declined, record_applied, record_declined
 from etfold.exir.passes.constant_prop_pass import (
     allocates_memory,
     constant_prop_pass,
+    fold_expression,
     is_fill_factory,
     is_impure,
     is_nondeterministic,
     is_quant_primitive,
 )
-from etfold.exir.passes.graph_walk import input_kinds
+from etfold.exir.passes.graph_walk import constant_sources, input_kinds
 from etfold.exir.program.buffer_marks import BUFFER_FOLD_BLOCKERS, state_writes
 from etfold.exir.program.lower import SHARED_ACROSS_METHODS
 
@@ -357,7 +358,27 @@ def _group_closures(closures: list[Closure]) -> list[list[Closure]]:
     return list(groups.values())
 
 
-def _measure_group(closures: list[Closure]) -> FoldGroup | Declined:
+def _expression_key(node: torch.fx.Node, known: dict) -> str | torch.fx.Node:
+    """Equal keys: the fold stores one tensor (constant_prop_pass names folds by expression)."""
+    if not all(p in known for p in _placeholders_under(node)):
+        return node
+    return fold_expression(node, known)[0]
+
+
+def _placeholders_under(node: torch.fx.Node) -> set[torch.fx.Node]:
+    found, stack, seen = set(), [node], {node}
+    while stack:
+        current = stack.pop()
+        if current.op == "placeholder":
+            found.add(current)
+        for producer in current.all_input_nodes:
+            if producer not in seen:
+                seen.add(producer)
+                stack.append(producer)
+    return found
+
+
+def _measure_group(closures: list[Closure], known: dict) -> FoldGroup | Declined:
     nodes = frozenset().union(*(c.nodes for c in closures))
     # a multi-output op folds with every projection, read by the seed or not
     nodes |= {u for n in nodes for u in n.users if u.target is operator.getitem}
@@ -370,13 +391,16 @@ def _measure_group(closures: list[Closure]) -> FoldGroup | Declined:
             if producer in nodes and not _is_tensor_value(producer) and producer not in kept:
                 kept.add(producer)
                 stack.append(producer)
-    added = 0
+    added, stored = 0, set()
     for node in sorted(nodes - kept, key=lambda n: n.name):
         if any(u not in nodes or u in kept for u in node.users):
             size = _value_bytes(node)
             if size is None:
                 return Declined(f"`{node.name}` has no known tensor size")
-            added += size
+            key = _expression_key(node, known)
+            if key not in stored:  # a parametrization read twice is computed twice, stored once
+                stored.add(key)
+                added += size
     erased = 0
     for source in sources:
         if all(u in nodes and u not in kept for u in source.users):
@@ -410,15 +434,16 @@ def plan_weight_folds(program: ExportedProgram, slots: dict) -> WeightFoldPlan:
     inner = frozenset().union(*(c.nodes for c in closures))
     closures = [c for c in closures if c.seed.gemm not in inner]
     declined = [(seed, reason) for seed, reason in declined if seed.gemm not in inner]
+    known = constant_sources(program, fold_buffers=True)[0] if closures else {}
     groups: list[FoldGroup] = []
     for members in _group_closures(closures):
-        group = _measure_group(members)
+        group = _measure_group(members, known)
         if isinstance(group, FoldGroup) and not fits_size_budget(
             group.added_bytes, group.erased_bytes
         ):
             group = Declined(
                 f"folding would add {group.added_bytes} bytes but erase only {group.erased_bytes} "
-                "(a source is also read outside the fold)"
+                "(a source read outside the fold is not erased)"
             )
         if isinstance(group, Declined):
             declined.extend((c.seed, group.reason) for c in members)

@@ -530,3 +530,26 @@ def test_declines_when_the_weight_comes_from_a_higher_order_op():
     assert any("which is not an ATen op" in r for r in _declined(decisions, "linear.weight"))
     lowered, reference = _lower_etfold(module, (x,))
     assert_close(lowered.run(x), reference, atol=ATOL)
+
+
+def test_one_computed_weight_read_by_two_gemms_folds_once():
+    class SharedProjection(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = weight_norm(torch.nn.Linear(16, 16))
+
+        def forward(self, x):
+            return self.proj(torch.relu(self.proj(x)))
+
+    torch.manual_seed(0)
+    module = SharedProjection()
+    x = torch.randn(4, 16)
+    with collect_decisions() as decisions:
+        folded = _hook(export_method(module.eval(), "forward", (x,)))
+    assert sorted(_applied(decisions)) == ["linear.weight", "linear_1.weight"]
+    added = [s.target for s in folded.graph_signature.input_specs if "_prop_" in (s.target or "")]
+    assert len(added) == 1
+    program, reference = _lower_etfold(module, (x,))
+    assert program.delegates() == 1
+    assert program.ops_outside() == Counter()
+    assert_close(program.run(x), reference, atol=ATOL)
