@@ -164,6 +164,16 @@ class _ReferenceModelInterpreter(torch.fx.Interpreter):
         return tuple(outputs)
 
 
+def _run_once(graph_module: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]) -> TosaResult:
+    interpreter = _ReferenceModelInterpreter(graph_module)
+    with torch.no_grad():
+        out = interpreter.run(*inputs)
+    if interpreter.delegates_run == 0:
+        raise RuntimeError("the program has no TOSA delegate: nothing ran on the reference model")
+    outputs = [out] if isinstance(out, torch.Tensor) else list(out)
+    return TosaResult(outputs=outputs, codes=interpreter.codes)
+
+
 @dataclass
 class TosaProgram:
     edge: EdgeProgramManager
@@ -194,16 +204,7 @@ class TosaProgram:
         return [m.processed_bytes for m in lowered_modules(self.exported_program)]
 
     def run(self, *inputs: torch.Tensor) -> TosaResult:
-        graph_module = self._runnable.module(check_guards=False)
-        interpreter = _ReferenceModelInterpreter(graph_module)
-        with torch.no_grad():
-            out = interpreter.run(*inputs)
-        if interpreter.delegates_run == 0:
-            raise RuntimeError(
-                "the program has no TOSA delegate: nothing ran on the reference model"
-            )
-        outputs = [out] if isinstance(out, torch.Tensor) else list(out)
-        return TosaResult(outputs=outputs, codes=interpreter.codes)
+        return _run_once(self._runnable.module(check_guards=False), inputs)
 
     def operator_counts(self) -> Counter[str]:
         total: Counter[str] = Counter()
@@ -250,15 +251,7 @@ def run_carried(
         raise KeyError(f"the lowered program has no buffers {sorted(overrides)}")
     results = []
     for inputs in steps:
-        interpreter = _ReferenceModelInterpreter(graph_module)
-        with torch.no_grad():
-            out = interpreter.run(*inputs)
-        if interpreter.delegates_run == 0:
-            raise RuntimeError(
-                "the program has no TOSA delegate: nothing ran on the reference model"
-            )
-        outputs = [out] if isinstance(out, torch.Tensor) else list(out)
-        results.append(TosaResult(outputs=outputs, codes=interpreter.codes))
+        results.append(_run_once(graph_module, inputs))
     return results
 
 
