@@ -23,6 +23,7 @@ from etfold.harness import tosa_runner, xnnpack_runner
 from etfold.harness.modules import in_eval_mode
 
 FLAVOURS = ("stock", "etfold")
+MAX_NOTES_PER_FOLD = 3  # distinct decisions per model, fold and verdict shown in the table
 
 
 @dataclass
@@ -158,6 +159,26 @@ def _ops_text(ops: dict[str, int]) -> str:
     return f"{total} ({top})"
 
 
+def _decision_notes(prefix: str, records: Sequence[dict[str, str]]) -> list[str]:
+    """One line per distinct (fold, detail) with its count, at most a few per fold."""
+    groups = Counter((r["fold"], r["detail"]) for r in records)
+    example = {(r["fold"], r["detail"]): r["where"] for r in reversed(records)}
+    lines, kinds = [], Counter()
+    for (fold, detail), count in groups.items():
+        kinds[fold] += 1
+        if kinds[fold] > MAX_NOTES_PER_FOLD:
+            continue
+        times = f" ×{count}" if count > 1 else ""
+        where = f"e.g. {example[fold, detail]}" if count > 1 else example[fold, detail]
+        lines.append(f"{prefix} {fold}{times}: {detail or '-'} ({where})")
+    for fold, kind_count in kinds.items():
+        if kind_count > MAX_NOTES_PER_FOLD:
+            lines.append(
+                f"{prefix} {fold}: {kind_count - MAX_NOTES_PER_FOLD} more (--json lists all)"
+            )
+    return lines
+
+
 def format_table(outcomes: Sequence[Outcome]) -> str:
     header = (
         "model",
@@ -196,14 +217,7 @@ def format_table(outcomes: Sequence[Outcome]) -> str:
     notes = []
     for o in outcomes:
         for verdict, records in (("applied ", o.applied), ("declined", o.declined)):
-            groups = Counter((r["fold"], r["detail"]) for r in records)
-            example = {(r["fold"], r["detail"]): r["where"] for r in reversed(records)}
-            for (fold, detail), count in groups.items():
-                times = f" ×{count}" if count > 1 else ""
-                where = f"e.g. {example[fold, detail]}" if count > 1 else example[fold, detail]
-                notes.append(
-                    f"  {o.model} [{o.flavour}] {verdict} {fold}{times}: {detail or '-'} ({where})"
-                )
+            notes += _decision_notes(f"  {o.model} [{o.flavour}] {verdict}", records)
     if notes:
         out += ["", "fold decisions:", *notes]
     return "\n".join(out)

@@ -67,6 +67,11 @@ def test_table_lists_every_row_and_decision():
     assert "declined fold.y ×3: why (e.g. k0)" in table
     assert "applied  fold.x: ok (n)" in table
     assert "FAILED: RuntimeError: boom" in table
+    many = report.Outcome("w", "xnnpack", "etfold")
+    many.applied = [{"fold": "fold.z", "where": f"n{i}", "detail": f"site {i}"} for i in range(5)]
+    lines = report.format_table([many]).splitlines()
+    assert sum("applied  fold.z: site" in line for line in lines) == 3
+    assert any("fold.z: 2 more (--json lists all)" in line for line in lines)
     assert len(table.splitlines()) == 2 + 3 + 2 + 2
 
 
