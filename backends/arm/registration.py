@@ -24,7 +24,11 @@ pipelines while registered.
 
 The substitution: while registered, `ArmPassManager.add_pass` is wrapped. The
 wrapper drops retired passes and, for passes added with `tfa_pass=True`,
-inserts the "annotation" entries next to their anchor. Registration checks
+inserts the "annotation" entries next to their anchor. The same install also
+wraps upstream's (empty) `transform_for_pre_decomposition_pipeline`, the one
+point that sees the whole program before partitioning, to mark values written
+back to buffers or inputs as carried state: a backend pass sees only its
+delegate, where such a write-back looks like an ordinary output. Registration checks
 upstream's shape first (classes, registry functions, the annotation anchors
 really being added) and raises `ArmRegistrationError` if anything moved.
 """
@@ -129,6 +133,7 @@ RETIRED_UPSTREAM_PASSES: tuple[str, ...] = ("FoldScalarMulIntoConvPass",)
 @dataclass
 class _Installed:
     original_add_pass: Callable
+    original_pre_decomposition: Callable
     registry_entries: list[tuple[type, Position, Any]]  # (anchor type, position, instance)
     created_registry_keys: list[type]
     insertions: tuple[ArmPassInsertion, ...]
@@ -158,7 +163,12 @@ def _pass_manager_module():
     )
     missing = [name for name in needed if not hasattr(module, name)]
     manager = getattr(module, "ArmPassManager", None)
-    for method in ("add_pass", "transform_for_annotation_pipeline", "_configure_pass_insertions"):
+    for method in (
+        "add_pass",
+        "transform_for_annotation_pipeline",
+        "_configure_pass_insertions",
+        "transform_for_pre_decomposition_pipeline",
+    ):
         if manager is not None and not callable(manager.__dict__.get(method)):
             missing.append(f"ArmPassManager.{method}")
     if missing:
@@ -202,6 +212,17 @@ def _make_add_pass(
 
     add_pass.__etfold_wrapped__ = original_add_pass  # type: ignore[attr-defined]
     return add_pass
+
+
+def _make_pre_decomposition(original: Callable) -> Callable:
+    from etfold.backends.arm._passes.carried_state import mark_write_backs
+
+    def transform_for_pre_decomposition_pipeline(self, exported_program):
+        mark_write_backs(exported_program)
+        return original(self, exported_program)
+
+    transform_for_pre_decomposition_pipeline.__etfold_wrapped__ = original  # type: ignore[attr-defined]
+    return transform_for_pre_decomposition_pipeline
 
 
 def _built_annotation_pipeline(profile: str):
@@ -255,13 +276,18 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
     retired = tuple(_upstream_pass_class(name) for name in RETIRED_UPSTREAM_PASSES)
     anchors = {e.anchor: _upstream_pass_class(e.anchor) for e in insertions}
 
+    original_pre_decomposition = manager_cls.__dict__["transform_for_pre_decomposition_pipeline"]
     manager_cls.add_pass = _make_add_pass(original_add_pass, retired, insertions)
+    manager_cls.transform_for_pre_decomposition_pipeline = _make_pre_decomposition(
+        original_pre_decomposition
+    )
     try:
         _check_annotation_anchors(insertions)
         backend = [e for e in insertions if e.pipeline == "backend"]
         instances = [e.factory() for e in backend]
     except BaseException:
         manager_cls.add_pass = original_add_pass
+        manager_cls.transform_for_pre_decomposition_pipeline = original_pre_decomposition
         raise
 
     registry = module._registered_pass_insertions
@@ -276,7 +302,9 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
         else:
             module.register_pass_insertions_after(anchor_type, [instance])
         entries.append((anchor_type, entry.position, instance))
-    _installed = _Installed(original_add_pass, entries, created, insertions)
+    _installed = _Installed(
+        original_add_pass, original_pre_decomposition, entries, created, insertions
+    )
 
 
 def register_arm_folds() -> None:
@@ -291,6 +319,9 @@ def unregister_arm_folds() -> None:
         return
     module = importlib.import_module(UPSTREAM_PASS_MANAGER_MODULE)
     module.ArmPassManager.add_pass = _installed.original_add_pass
+    module.ArmPassManager.transform_for_pre_decomposition_pipeline = (
+        _installed.original_pre_decomposition
+    )
     registry = module._registered_pass_insertions
     for anchor_type, position, instance in _installed.registry_entries:
         insertions = registry.get(anchor_type)

@@ -171,7 +171,8 @@ def _run_once(graph_module: torch.fx.GraphModule, inputs: Sequence[torch.Tensor]
     if interpreter.delegates_run == 0:
         raise RuntimeError("the program has no TOSA delegate: nothing ran on the reference model")
     outputs = [out] if isinstance(out, torch.Tensor) else list(out)
-    return TosaResult(outputs=outputs, codes=interpreter.codes)
+    # snapshots: an output may alias a buffer that the next call writes in place
+    return TosaResult(outputs=[o.clone() for o in outputs], codes=interpreter.codes)
 
 
 @dataclass

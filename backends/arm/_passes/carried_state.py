@@ -70,6 +70,18 @@ def mark_carried_state_outputs(
     return marked
 
 
+def mark_write_backs(program: ExportedProgram) -> list[Node]:
+    """Mark every value the program writes back to a buffer or input as carried state.
+
+    Run on the whole program before partitioning: a backend pass later sees only
+    its delegate, where a write-back outside it looks like an ordinary output.
+    """
+    marked = [value for _, value in write_backs(program.graph_module, program)]
+    for value in marked:
+        mark_carried_quant_state(value)
+    return marked
+
+
 def carried_region(
     graph_module: GraphModule, exported_program: ExportedProgram | None = None
 ) -> frozenset[Node]:

@@ -21,6 +21,7 @@ from etfold.backends.arm import (
 )
 from etfold.backends.arm._passes import carried_region
 from etfold.backends.arm._passes import fold_scalar_mul_into_conv_pass as fold
+from etfold.backends.arm._passes.carried_state import mark_write_backs
 from etfold.backends.arm.registration import upstream_folds_retired
 from etfold.decisions import FoldDecision, collect_decisions
 from etfold.harness.tosa_runner import (
@@ -265,3 +266,28 @@ def test_mark_does_not_leak_into_nodes_sharing_custom_meta():
     mark_carried_quant_state(mul)
     assert is_carried_quant_state(mul) and not is_carried_quant_state(conv)
     assert shared == {"note": 1}
+
+
+def test_fp_write_back_outside_the_delegate_is_seen_through_the_whole_program_marks():
+    """On FP the fold runs in the backend pipeline, which sees only the delegate: the
+    write-back into `state` happens outside it. The pre-decomposition marks carry it in."""
+    torch.manual_seed(0)
+    model = StatefulConvMul().eval()
+    (x,) = _steps(n=1)[0]
+    with arm_folds_registered(), collect_decisions() as journal:
+        program, _ = lower_module_tosa(copy.deepcopy(model), (x,), FP)
+    assert program.operator_counts()["MUL"] == 1
+    assert [(d.applied, d.detail) for d in mine(journal)] == [(False, fold.CARRIED_STATE)]
+    zero = {"state": torch.zeros_like(model.state)}
+    outs = [r.outputs[0] for r in run_carried(program, _steps(n=4), buffers=zero)]
+    eager = _eager_buffer_steps(model, _steps(n=4))
+    assert max(float((o - e).abs().max()) for o, e in zip(outs, eager, strict=True)) < 1e-5
+
+
+def test_mark_write_backs_marks_exactly_the_written_values():
+    model = StatefulConvMul().eval()
+    program = torch.export.export(model, _steps(n=1)[0])
+    (marked,) = mark_write_backs(program)
+    assert is_carried_quant_state(marked)
+    assert marked.target is torch.ops.aten.mul.Tensor
+    assert [n for n in program.graph.nodes if is_carried_quant_state(n)] == [marked]

@@ -40,9 +40,10 @@ def _unregistered():
 
 
 def _snapshot():
-    """What registration may touch upstream: the add_pass function and the insertion registry."""
+    """What registration may touch upstream: two ArmPassManager methods and the insertion registry."""
     return (
         apm.ArmPassManager.__dict__["add_pass"],
+        apm.ArmPassManager.__dict__["transform_for_pre_decomposition_pipeline"],
         {
             t: ([id(p) for p in i.before_passes], [id(p) for p in i.after_passes])
             for t, i in apm._registered_pass_insertions.items()
