@@ -11,13 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from executorch.backends.arm._passes.arm_pass import ArmPass
 from executorch.backends.arm._passes.quant_args import QuantArgs
 from executorch.exir import ExportedProgram
 from executorch.exir.dialects._ops import ops as exir_ops
-from torch.fx import Node
+from executorch.exir.pass_base import PassResult
+from torch.fx import GraphModule, Node
 
 from etfold.backends.arm._passes.graph_utils import constant_tensor, delete_constant_if_unused
 from etfold.backends.arm._passes.tosa_integer import Rescale
+from etfold.decisions import Declined, record_applied, record_declined
 
 RESCALE = exir_ops.backend.tosa.RESCALE.default
 TABLE = exir_ops.backend.tosa.TABLE.default
@@ -154,3 +157,41 @@ def erase_unused(graph_module, exported_program: ExportedProgram, nodes) -> None
             delete_constant_if_unused(graph_module, exported_program, node)
         else:
             node.graph.erase_node(node)
+
+
+class IntegerDyTFoldPass(ArmPass):
+    """Drives an integer DyT fold: match every node, record each decision, rewrite
+    each match, then retrace once so every rewired node's fake value carries the
+    int8 codes it now holds. Subclasses give `FOLD`, `match` and `rewrite`."""
+
+    FOLD: str
+
+    def __init__(self, exported_program: ExportedProgram | None = None) -> None:
+        super().__init__()
+        # ArmPassManager's adapter sets this to the program being lowered.
+        self.exported_program = exported_program
+
+    def match(self, node: Node):
+        """A match, a Declined, or None when `node` is not where this fold starts."""
+        raise NotImplementedError
+
+    def rewrite(self, graph_module: GraphModule, match) -> str:
+        """Apply `match`; return the detail to record."""
+        raise NotImplementedError
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        modified = False
+        for node in list(graph_module.graph.nodes):
+            match = self.match(node)
+            if match is None:
+                continue
+            if isinstance(match, Declined):
+                record_declined(self.FOLD, node.name, match.reason)
+                continue
+            record_applied(self.FOLD, node.name, self.rewrite(graph_module, match))
+            modified = True
+        if modified:
+            graph_module.graph.lint()
+            graph_module.recompile()
+            graph_module = super().call(graph_module).graph_module
+        return PassResult(graph_module, modified)

@@ -27,10 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from executorch.backends.arm._passes.arm_pass import ArmPass
 from executorch.backends.arm._passes.quant_args import QuantArgs
 from executorch.exir import ExportedProgram
-from executorch.exir.pass_base import ExportPass, PassResult
+from executorch.exir.pass_base import ExportPass
 from torch.fx import GraphModule, Node
 
 from etfold.backends.arm._passes.dyt_match import (
@@ -41,6 +40,7 @@ from etfold.backends.arm._passes.dyt_match import (
     RESCALE,
     SLICE,
     TABLE,
+    IntegerDyTFoldPass,
     channel_vector,
     constant_of,
     erase_unused,
@@ -62,7 +62,7 @@ from etfold.backends.arm._passes.tosa_integer import (
     fit_exact_integer_affine,
     fits_int32,
 )
-from etfold.decisions import Declined, record_applied, record_declined
+from etfold.decisions import Declined
 
 FOLD = "arm.dyt_affine_into_conv"
 
@@ -562,42 +562,23 @@ def rewrite_identity_gamma(
     erase_unused(graph_module, exported_program, match.removed)
 
 
-class FoldDyTAffineIntoConvPass(ArmPass):
+class FoldDyTAffineIntoConvPass(IntegerDyTFoldPass):
     """`conv(f(TABLE))` with f exactly affine per channel -> `conv'(TABLE)`; see the module docstring."""
 
+    FOLD = FOLD
     _passes_required_after: set[type[ExportPass]] = set()
 
-    def __init__(self, exported_program: ExportedProgram | None = None) -> None:
-        super().__init__()
-        # ArmPassManager's adapter sets this to the program being lowered.
-        self.exported_program = exported_program
+    def match(self, node: Node) -> AffineIntoConvMatch | IdentityGammaMatch | Declined | None:
+        return match_affine_into_conv(self.exported_program, node)
 
-    def call(self, graph_module: GraphModule) -> PassResult:
-        modified = False
-        for node in list(graph_module.graph.nodes):
-            match = match_affine_into_conv(self.exported_program, node)
-            if match is None:
-                continue
-            if isinstance(match, Declined):
-                record_declined(FOLD, node.name, match.reason)
-            elif isinstance(match, IdentityGammaMatch):
-                rewrite_identity_gamma(graph_module, self.exported_program, match)
-                record_applied(
-                    FOLD, node.name, f"removed the identity gamma, kept beta ({match.reason_kept})"
-                )
-                modified = True
-            else:
-                rewrite_affine_into_conv(self.exported_program, graph_module, match)
-                record_applied(
-                    FOLD,
-                    node.name,
-                    f"gamma/beta folded into conv weight and bias (slopes {sorted(set(match.slopes.tolist()))}, "
-                    f"{int((match.offsets != 0).sum())} channels with an offset)",
-                )
-                modified = True
-        if modified:
-            graph_module.graph.lint()
-            graph_module.recompile()
-            # Retrace so every rewired node's fake value carries the int8 codes it now holds.
-            graph_module = super().call(graph_module).graph_module
-        return PassResult(graph_module, modified)
+    def rewrite(
+        self, graph_module: GraphModule, match: AffineIntoConvMatch | IdentityGammaMatch
+    ) -> str:
+        if isinstance(match, IdentityGammaMatch):
+            rewrite_identity_gamma(graph_module, self.exported_program, match)
+            return f"removed the identity gamma, kept beta ({match.reason_kept})"
+        rewrite_affine_into_conv(self.exported_program, graph_module, match)
+        return (
+            f"gamma/beta folded into conv weight and bias (slopes {sorted(set(match.slopes.tolist()))}, "
+            f"{int((match.offsets != 0).sum())} channels with an offset)"
+        )

@@ -21,12 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from executorch.backends.arm._passes.arm_pass import ArmPass
 from executorch.backends.arm._passes.arm_pass_utils import create_node
 from executorch.backends.arm._passes.insert_table_ops import InsertTableOpsPass
 from executorch.backends.arm._passes.quant_args import QuantArgs
 from executorch.exir import ExportedProgram
-from executorch.exir.pass_base import ExportPass, PassResult
+from executorch.exir.pass_base import ExportPass
 from torch.fx import GraphModule, Node
 
 from etfold.backends.arm._passes.dyt_match import (
@@ -34,6 +33,7 @@ from etfold.backends.arm._passes.dyt_match import (
     TABLE,
     TANH,
     Int32Constant,
+    IntegerDyTFoldPass,
     erase_unused,
     int32_constant_operand,
     rescale_of,
@@ -45,7 +45,7 @@ from etfold.backends.arm._passes.graph_utils import (
     tensor_digest,
 )
 from etfold.backends.arm._passes.tosa_integer import Rescale, fits_int32
-from etfold.decisions import Declined, record_applied, record_declined
+from etfold.decisions import Declined
 
 FOLD = "arm.dyt_alpha_into_lut"
 
@@ -252,33 +252,15 @@ def rewrite_alpha_into_table(
     return table
 
 
-class FoldDyTAlphaIntoLUTPass(ArmPass):
+class FoldDyTAlphaIntoLUTPass(IntegerDyTFoldPass):
     """`TABLE_tanh(R(R(x) * R(alpha)))` -> `TABLE_composed(x)`; see the module docstring."""
 
+    FOLD = FOLD
     _passes_required_after: set[type[ExportPass]] = {InsertTableOpsPass}
 
-    def __init__(self, exported_program: ExportedProgram | None = None) -> None:
-        super().__init__()
-        # ArmPassManager's adapter sets this to the program being lowered.
-        self.exported_program = exported_program
+    def match(self, node: Node) -> AlphaIntoTableMatch | Declined | None:
+        return match_alpha_into_table(self.exported_program, node)
 
-    def call(self, graph_module: GraphModule) -> PassResult:
-        modified = False
-        for node in list(graph_module.graph.nodes):
-            match = match_alpha_into_table(self.exported_program, node)
-            if match is None:
-                continue
-            if isinstance(match, Declined):
-                record_declined(FOLD, node.name, match.reason)
-                continue
-            rewrite_alpha_into_table(self.exported_program, graph_module, match)
-            record_applied(
-                FOLD, node.name, f"tanh(alpha * x) -> one TABLE (alpha = {match.alpha:.6g})"
-            )
-            modified = True
-        if modified:
-            graph_module.graph.lint()
-            graph_module.recompile()
-            # Retrace so every rewired node's fake value carries the int8 codes it now holds.
-            graph_module = super().call(graph_module).graph_module
-        return PassResult(graph_module, modified)
+    def rewrite(self, graph_module: GraphModule, match: AlphaIntoTableMatch) -> str:
+        rewrite_alpha_into_table(self.exported_program, graph_module, match)
+        return f"tanh(alpha * x) -> one TABLE (alpha = {match.alpha:.6g})"
