@@ -64,7 +64,8 @@ def load_with_data(pte: bytes, files: Mapping[str, bytes] | Sequence[bytes]) -> 
     from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
 
     blobs = list(files.values()) if isinstance(files, Mapping) else list(files)
-    data = merged_data_map(blobs) if blobs else None
+    # one file is passed as written; only several are merged into one map
+    data = None if not blobs else blobs[0] if len(blobs) == 1 else merged_data_map(blobs)
     module = (
         _load_for_executorch_from_buffer(pte)
         if data is None
