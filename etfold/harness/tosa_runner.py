@@ -63,6 +63,35 @@ def quantize_for_tosa(
     return quantize_exported_for_tosa(exported, inputs, calibration=calibration, profile=profile)
 
 
+def _model_buffers(prepared: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's own buffers in a prepared module: every buffer no observer owns."""
+    from torchao.quantization.pt2e import FakeQuantizeBase
+    from torchao.quantization.pt2e.observer import ObserverBase
+
+    statistics = (ObserverBase, FakeQuantizeBase)
+    return [
+        buffer
+        for module in prepared.modules()
+        if not isinstance(module, statistics)
+        for buffer in module.buffers(recurse=False)
+    ]
+
+
+@contextlib.contextmanager
+def _model_buffers_restored(prepared: torch.nn.Module):
+    """Calibration runs the model, and a stateful model advances its buffers; the
+    lowered program must start from the exported state, not the calibrated one.
+    Observers keep what they saw."""
+    buffers = _model_buffers(prepared)
+    saved = [b.detach().clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved, strict=True):
+                buffer.copy_(value)
+
+
 def quantize_exported_for_tosa(
     exported: ExportedProgram,
     inputs: tuple,
@@ -75,7 +104,7 @@ def quantize_exported_for_tosa(
 
     # Arm's scalar handling rejects the `_guards_fn` submodule that module() keeps by default.
     prepared = prepare_pt2e(exported.module(check_guards=False), tosa_quantizer(profile))
-    with torch.no_grad():
+    with torch.no_grad(), _model_buffers_restored(prepared):
         prepared(*inputs)
         for sample in calibration:
             prepared(*sample)
