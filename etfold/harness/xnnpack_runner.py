@@ -35,7 +35,7 @@ class XnnpackProgram:
 
     edge: EdgeProgramManager
     executorch: ExecutorchProgramManager
-    _runtime: Any = field(repr=False)
+    _runtime: LoadedProgram = field(repr=False)
     # read before to_executorch(), which rewrites the edge programs in place (alloc, .out ops)
     _delegates: dict[str, int] = field(default_factory=dict, repr=False)
     _ops_outside: dict[str, Counter[str]] = field(default_factory=dict, repr=False)
@@ -55,10 +55,25 @@ class XnnpackProgram:
         return Counter(self._ops_outside[method])
 
 
-def load_program(executorch: ExecutorchProgramManager) -> Any:
+@dataclass
+class LoadedProgram:
+    """A runtime module together with the program manager whose buffer it points into.
+
+    `_load_for_executorch_from_buffer` does not copy the buffer, so the manager must
+    live as long as the module; holding both here makes that impossible to get wrong.
+    """
+
+    executorch: ExecutorchProgramManager
+    module: Any = field(repr=False)
+
+    def run_method(self, method: str, inputs: tuple) -> list:
+        return list(self.module.run_method(method, inputs))
+
+
+def load_program(executorch: ExecutorchProgramManager) -> LoadedProgram:
     from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
 
-    return _load_for_executorch_from_buffer(executorch.buffer)
+    return LoadedProgram(executorch, _load_for_executorch_from_buffer(executorch.buffer))
 
 
 def lower_xnnpack(

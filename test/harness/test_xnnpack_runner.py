@@ -121,3 +121,26 @@ def test_ops_outside_are_read_from_the_lowered_program_not_the_emitted_one():
     assert program.delegates() == 1
     assert program.ops_outside() == {"aten.cumsum.default": 1}  # no alloc / .out from emission
     assert_close(program.run(x), reference, atol=1e-5)
+
+
+def test_a_loaded_program_keeps_the_buffer_it_runs_from_alive():
+    """The runtime points into the manager's buffer without copying it."""
+    import gc
+    import weakref
+
+    from executorch.exir import to_edge_transform_and_lower
+
+    from etfold.harness.xnnpack_runner import default_partitioners, load_program
+
+    module, x = _conv_and_input()
+    reference = eager_outputs(module, (x,))
+    edge = to_edge_transform_and_lower(
+        export_method(module, "forward", (x,)), partitioner=default_partitioners()
+    )
+    manager = edge.to_executorch()
+    alive = weakref.ref(manager)
+    loaded = load_program(manager)
+    del edge, manager
+    gc.collect()
+    assert alive() is not None
+    assert_close(loaded.run_method("forward", (x,)), reference, atol=1e-5)
