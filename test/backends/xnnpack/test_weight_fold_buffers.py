@@ -21,7 +21,7 @@ from etfold.decisions import collect_decisions
 from etfold.exir import to_edge_transform_and_lower as etfold_lower
 from etfold.exir.program.buffer_marks import BUFFER_FOLD_BLOCKERS, mark_buffer_fold_blockers
 from etfold.exir.program.lower import MARKING_STEPS
-from etfold.harness.xnnpack_runner import assert_close, lower_xnnpack
+from etfold.harness.xnnpack_runner import assert_close, export_method, lower_xnnpack
 
 ATOL = 1e-4
 
@@ -29,17 +29,6 @@ ATOL = 1e-4
 def _outside(ops, op: str) -> bool:
     """`op` (any overload: `.default` at Edge, `.out` after emission) runs outside delegates."""
     return any(name.startswith(op + ".") for name in ops)
-
-
-def export_as(module: torch.nn.Module, method: str, inputs: tuple):
-    """Export `module.<method>` with the module's own FQNs (so methods agree on names)."""
-    if method == "forward":
-        return torch.export.export(module, inputs)
-    module.forward = getattr(module, method)
-    try:
-        return torch.export.export(module, inputs)
-    finally:
-        del module.forward
 
 
 def _eager(module, method, inputs):
@@ -130,8 +119,8 @@ def test_declines_when_another_method_writes_the_buffer(writer):
     module = _Cache().eval()
     x = torch.randn(4, 16)
     programs = {
-        "read": export_as(module, "read", (x,)),
-        writer: export_as(module, writer, make_inputs()),
+        "read": export_method(module, "read", (x,)),
+        writer: export_method(module, writer, make_inputs()),
     }
     mark_buffer_fold_blockers(programs)
     blockers = (
@@ -156,8 +145,8 @@ def test_declines_when_several_methods_read_the_buffer():
     module = _Cache().eval()
     x = torch.randn(4, 16)
     programs = {
-        "read": export_as(module, "read", (x,)),
-        "also_read": export_as(module, "also_read", (torch.randn(8, 16),)),
+        "read": export_method(module, "read", (x,)),
+        "also_read": export_method(module, "also_read", (torch.randn(8, 16),)),
     }
     mark_buffer_fold_blockers(programs)
     with collect_decisions() as decisions:
@@ -181,8 +170,8 @@ def test_a_placeholder_without_users_is_not_a_read():
 
     module = Unused()
     programs = {
-        "forward": export_as(module, "forward", (torch.randn(4, 16),)),
-        "other": export_as(module, "other", (torch.randn(2),)),
+        "forward": export_method(module, "forward", (torch.randn(4, 16),)),
+        "other": export_method(module, "other", (torch.randn(2),)),
     }
     mark_buffer_fold_blockers(programs)
     assert _placeholder(programs["forward"], "w").meta[BUFFER_FOLD_BLOCKERS] == ()
@@ -190,9 +179,9 @@ def test_a_placeholder_without_users_is_not_a_read():
 
 def test_marks_are_recomputed_not_accumulated():
     module = _Cache().eval()
-    read = export_as(module, "read", (torch.randn(4, 16),))
+    read = export_method(module, "read", (torch.randn(4, 16),))
     mark_buffer_fold_blockers(
-        {"read": read, "copy": export_as(module, "copy", (torch.randn(8, 16),))}
+        {"read": read, "copy": export_method(module, "copy", (torch.randn(8, 16),))}
     )
     assert _placeholder(read, "w").meta[BUFFER_FOLD_BLOCKERS]
     mark_buffer_fold_blockers({"read": read})
@@ -201,8 +190,8 @@ def test_marks_are_recomputed_not_accumulated():
 
 def test_a_functionalized_mutation_counts_as_a_write():
     module = _Cache().eval()
-    copy = export_as(module, "copy", (torch.randn(8, 16),)).run_decompositions({})
-    read = export_as(module, "read", (torch.randn(4, 16),))
+    copy = export_method(module, "copy", (torch.randn(8, 16),)).run_decompositions({})
+    read = export_method(module, "read", (torch.randn(4, 16),))
     mark_buffer_fold_blockers({"read": read, "copy": copy})
     assert _placeholder(read, "w").meta[BUFFER_FOLD_BLOCKERS][0] == (
         "method `copy` may write it (a functionalized mutation)"
@@ -236,7 +225,7 @@ def test_declines_when_its_own_method_writes_the_buffer():
             self.w[:1].mul_(0.5)
             return torch.nn.functional.linear(x, self.w.cumsum(0))
 
-    program = export_as(SelfWrite(), "forward", (torch.randn(4, 16),))
+    program = export_method(SelfWrite(), "forward", (torch.randn(4, 16),))
     mark_buffer_fold_blockers({"forward": program})
     with collect_decisions() as decisions:
         assert _hook(program) is program
@@ -261,8 +250,8 @@ def test_declines_when_a_parameter_is_shared_across_methods():
     module = TwoMethods().eval()
     x = torch.randn(4, 16)
     programs = {
-        "forward": export_as(module, "forward", (x,)),
-        "other": export_as(module, "other", (x,)),
+        "forward": export_method(module, "forward", (x,)),
+        "other": export_method(module, "other", (x,)),
     }
     with collect_decisions() as decisions:
         lowered = lower_xnnpack(programs, [XnnpackPartitioner()], lower=etfold_lower)
@@ -285,7 +274,7 @@ def test_parametrizations_with_buffers_fold_through_etfold_lower(parametrize):
     x = torch.randn(4, 16)
     with collect_decisions() as decisions:
         lowered = lower_xnnpack(
-            export_as(module, "forward", (x,)), [XnnpackPartitioner()], lower=etfold_lower
+            export_method(module, "forward", (x,)), [XnnpackPartitioner()], lower=etfold_lower
         )
     assert _applied(decisions) == ["linear.weight"]
     assert lowered.delegates() == 1
@@ -312,7 +301,7 @@ def test_in_place_buffer_write_stays_a_mutation_and_state_carries_across_calls()
     module = _KvBlock().eval()
     steps = [(torch.randn(1, 16), torch.tensor([i])) for i in range(3)]
     with torch.no_grad():  # a cache written from a parameter product must not look trainable
-        program = export_as(module, "forward", steps[0])
+        program = export_method(module, "forward", steps[0])
     with collect_decisions() as decisions:
         lowered = lower_xnnpack(program, [XnnpackPartitioner()], lower=etfold_lower)
     assert _applied(decisions) == ["linear.weight"]
@@ -353,8 +342,8 @@ def test_a_buffer_written_by_one_method_and_read_by_another_keeps_its_shared_all
             emit_mutable_buffer_names=True,
         )
         programs = {
-            "read": export_as(module, "read", (x,)),
-            "copy": export_as(module, "copy", (torch.randn(8, 16),)),
+            "read": export_method(module, "read", (x,)),
+            "copy": export_method(module, "copy", (torch.randn(8, 16),)),
         }
         partitioners = [XnnpackPartitioner(fold_weights=fold_weights)]
         return lower_xnnpack(programs, partitioners, lower=etfold_lower, executorch_config=config)
@@ -369,8 +358,8 @@ def test_a_buffer_written_by_one_method_and_read_by_another_keeps_its_shared_all
 
     fresh = lower_xnnpack(
         {
-            "read": export_as(module, "read", (x,)),
-            "copy": export_as(module, "copy", (torch.randn(8, 16),)),
+            "read": export_method(module, "read", (x,)),
+            "copy": export_method(module, "copy", (torch.randn(8, 16),)),
         },
         [XnnpackPartitioner()],
         lower=etfold_lower,
@@ -407,8 +396,8 @@ def test_embedding_shared_by_a_lookup_and_a_transposed_matmul_in_two_methods(wit
 
     def programs():
         return {
-            "forward": export_as(module, "forward", (tokens,)),
-            "logits": export_as(module, "logits", (h,)),
+            "forward": export_method(module, "forward", (tokens,)),
+            "logits": export_method(module, "logits", (h,)),
         }
 
     with collect_decisions() as decisions:

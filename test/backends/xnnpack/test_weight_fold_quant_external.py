@@ -17,7 +17,7 @@ from etfold.backends.xnnpack.partition.weight_fold import FOLD
 from etfold.decisions import collect_decisions
 from etfold.exir import to_edge_transform_and_lower as etfold_lower
 from etfold.harness.external_data import data_files, data_keys, load_with_data
-from etfold.harness.xnnpack_runner import assert_close, eager_outputs, lower_xnnpack
+from etfold.harness.xnnpack_runner import assert_close, eager_outputs, export_method, lower_xnnpack
 
 
 def load_program_with_data(pte: bytes, ptd: bytes):
@@ -245,22 +245,12 @@ class _OneParameterTwoWays(torch.nn.Module):
         return torch.nn.functional.linear(x, self.w.t() * 3)
 
 
-def _export_as(module, method, inputs):
-    if method == "forward":
-        return torch.export.export(module, inputs)
-    module.forward = getattr(module, method)
-    try:
-        return torch.export.export(module, inputs)
-    finally:
-        del module.forward
-
-
 def test_three_methods_folding_one_parameter_two_ways_write_two_external_entries():
     torch.manual_seed(0)
     module = _OneParameterTwoWays().eval()
     x = torch.randn(4, 16)
     methods = ("forward", "same", "other")
-    programs = {m: _tag(_export_as(module, m, (x,)), {"w": "weights"}) for m in methods}
+    programs = {m: _tag(export_method(module, m, (x,)), {"w": "weights"}) for m in methods}
     # upstream's entry point marks nothing shared, so each method folds its own expression
     with collect_decisions() as decisions:
         edge = upstream_lower(programs, partitioner=[XnnpackPartitioner()])

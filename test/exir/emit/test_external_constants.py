@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from executorch.exir import ExecutorchBackendConfig
@@ -15,7 +13,7 @@ from etfold.exir import (
     to_edge_transform_and_lower,
 )
 from etfold.harness.external_data import data_files, load_with_data
-from etfold.harness.xnnpack_runner import assert_close, eager_outputs, max_abs_error
+from etfold.harness.xnnpack_runner import assert_close, eager_outputs, export_method, max_abs_error
 
 torch.manual_seed(0)
 EXTERNAL = ExecutorchBackendConfig(external_constants=True)
@@ -33,15 +31,9 @@ class TwoScales(torch.nn.Module):
         return x @ (self.w * 3).t()
 
 
-def export_as(module, method, *inputs):
-    view = copy.copy(module)
-    view.forward = getattr(module, method)
-    return torch.export.export(view, inputs)
-
-
 def upstream_named_folds(model, x):
     """Each method folded the upstream way: both get `_prop_tensor_constant0`."""
-    return {m: constant_prop_pass(export_as(model, m, x)) for m in ("forward", "other")}
+    return {m: constant_prop_pass(export_method(model, m, (x,))) for m in ("forward", "other")}
 
 
 def test_collision_raises_at_to_executorch_with_name_methods_and_cause():
@@ -69,7 +61,9 @@ def test_the_collision_is_real_on_upstreams_path():
 
 def test_same_data_under_one_name_is_allowed():
     model, x = TwoScales().eval(), torch.randn(2, 8)
-    progs = {m: export_as(model, m, x) for m in ("forward", "other")}  # both read parameter w
+    progs = {
+        m: export_method(model, m, (x,)) for m in ("forward", "other")
+    }  # both read parameter w
     executorch = to_edge_transform_and_lower(progs).to_executorch(EXTERNAL)
     runtime = load_with_data(executorch.buffer, data_files(executorch))
     for method in progs:
@@ -91,7 +85,7 @@ def test_names_only_matter_for_external_constants():
 def test_register_like_source_names_pass_the_check():
     model, x = TwoScales().eval(), torch.randn(2, 8)
     progs = {
-        m: constant_prop_pass(export_as(model, m, x), register_like_source=True)
+        m: constant_prop_pass(export_method(model, m, (x,)), register_like_source=True)
         for m in ("forward", "other")
     }
     executorch = to_edge_transform_and_lower(progs).to_executorch(EXTERNAL)

@@ -27,7 +27,7 @@ from etfold.exir import constant_prop_pass, to_edge_transform_and_lower
 from etfold.exir.passes.constant_prop_pass import FOLD, fold_expression
 from etfold.exir.passes.graph_walk import constant_sources, op_qualified_name
 from etfold.harness.external_data import data_files, data_keys, load_with_data
-from etfold.harness.xnnpack_runner import assert_close, load_program, lower_xnnpack
+from etfold.harness.xnnpack_runner import assert_close, export_method, load_program, lower_xnnpack
 
 torch.manual_seed(0)
 
@@ -37,13 +37,6 @@ torch.manual_seed(0)
 
 def export(module: torch.nn.Module, *inputs) -> torch.export.ExportedProgram:
     return torch.export.export(module.eval(), inputs)
-
-
-def export_as(module: torch.nn.Module, method: str, *inputs) -> torch.export.ExportedProgram:
-    """Export `module.<method>` keeping the module's own parameter names."""
-    view = copy.copy(module)
-    view.forward = getattr(module, method)
-    return torch.export.export(view, inputs)
 
 
 def eager(module, *inputs, method="forward"):
@@ -714,7 +707,7 @@ class ThreeMethods(torch.nn.Module):
 
 def test_three_methods_same_expression_same_name_different_expression_different_name():
     model, x = ThreeMethods().eval(), torch.randn(2, 8)
-    programs = {m: export_as(model, m, x) for m in ("forward", "again", "other")}
+    programs = {m: export_method(model, m, (x,)) for m in ("forward", "again", "other")}
     names = {}
     for method, ep in programs.items():
         constant_prop_pass(ep, register_like_source=True)
@@ -736,7 +729,8 @@ def test_three_methods_same_expression_same_name_different_expression_different_
 def test_upstream_default_names_collide_across_methods():
     model, x = ThreeMethods().eval(), torch.randn(2, 8)
     names = {
-        m: set(constant_prop_pass(export_as(model, m, x)).constants) for m in ("forward", "other")
+        m: set(constant_prop_pass(export_method(model, m, (x,))).constants)
+        for m in ("forward", "other")
     }
     assert names["forward"] == names["other"] == {"_prop_tensor_constant0"}
 

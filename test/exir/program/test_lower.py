@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import inspect
 
 import torch
@@ -12,7 +11,13 @@ from executorch.exir import to_edge_transform_and_lower as upstream_to_edge_tran
 from etfold.exir import to_edge_transform_and_lower
 from etfold.exir.program import lower
 from etfold.exir.program.lower import SHARED_ACROSS_METHODS, CheckedEdgeProgramManager
-from etfold.harness.xnnpack_runner import assert_close, eager_outputs, lower_xnnpack
+from etfold.harness.xnnpack_runner import (
+    assert_close,
+    eager_outputs,
+    export_method,
+    load_program,
+    lower_xnnpack,
+)
 
 torch.manual_seed(0)
 
@@ -37,15 +42,8 @@ class Methods(torch.nn.Module):
         return x * self.u * self.scale
 
 
-def export_as(module, method, *inputs):
-    """Export `module.<method>` keeping the module's own parameter names."""
-    view = copy.copy(module)
-    view.forward = getattr(module, method)
-    return torch.export.export(view, inputs)
-
-
 def programs(model, x, methods=("forward", "decode", "score")):
-    return {m: export_as(model, m, x) for m in methods}
+    return {m: export_method(model, m, (x,)) for m in methods}
 
 
 def marks(ep) -> dict[str, bool]:
@@ -107,7 +105,7 @@ def test_single_method_marks_nothing():
     model, x = Methods().eval(), torch.randn(2, 8)
     partitioner = RecordingPartitioner()
     lowered = lower_xnnpack(
-        export_as(model, "decode", x), [partitioner], lower=to_edge_transform_and_lower
+        export_method(model, "decode", (x,)), [partitioner], lower=to_edge_transform_and_lower
     )
     assert partitioner.seen == [{"w": False, "u": False, "v": False, "scale": False}]
     assert_close(lowered.run(x), eager_outputs(model, (x,), "decode"), atol=1e-4)
@@ -142,11 +140,9 @@ def test_marking_steps_run_in_order_on_the_method_dict_before_upstream(monkeypat
 
 def test_derived_managers_stay_checked():
     model, x = Methods().eval(), torch.randn(2, 8)
-    edge = to_edge_transform_and_lower(export_as(model, "forward", x))
+    edge = to_edge_transform_and_lower(export_method(model, "forward", (x,)))
     assert isinstance(edge.transform([]), CheckedEdgeProgramManager)
     derived = edge.to_backend(XnnpackPartitioner())
     assert isinstance(derived, CheckedEdgeProgramManager)
-    from etfold.harness.xnnpack_runner import load_program
-
     runtime = load_program(derived.to_executorch())
     assert_close(list(runtime.run_method("forward", (x,))), eager_outputs(model, (x,)), atol=1e-4)
