@@ -57,6 +57,16 @@ class DyTConv(torch.nn.Module):
         return self.conv(x)
 
 
+# The conv shapes a DyT fold must handle, as DyTConv keyword arguments.
+DYT_CONV_KINDS = {
+    "1x1": dict(kernel_size=1),
+    "3x3_padded": dict(kernel_size=3, padding=1),
+    "3x3_unpadded": dict(kernel_size=3),
+    "dw3x3_padded": dict(kernel_size=3, padding=1, depthwise=True),
+    "dw1x1": dict(kernel_size=1, depthwise=True),
+}
+
+
 class DyTConvNeXtBlock(torch.nn.Module):
     """depthwise 3x3 -> NHWC DyT -> 1x1 expand -> GELU -> 1x1 project, plus the residual."""
 

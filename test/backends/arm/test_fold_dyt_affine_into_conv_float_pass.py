@@ -17,16 +17,9 @@ from etfold.backends.arm._passes.fold_dyt_affine_into_conv_float_pass import (
     FoldDyTAffineIntoConvFloatPass,
 )
 from etfold.decisions import collect_decisions
+from etfold.demo_models.arm_dyt import DYT_CONV_KINDS as CONVS
 from etfold.demo_models.arm_dyt import DyT, DyTConv, randomize_affine
 from etfold.harness.tosa_runner import lower_module_tosa, output_scales
-
-CONVS = {
-    "1x1": dict(kernel_size=1),
-    "3x3_padded": dict(kernel_size=3, padding=1),
-    "3x3_unpadded": dict(kernel_size=3),
-    "dw3x3_padded": dict(kernel_size=3, padding=1, depthwise=True),
-    "dw1x1": dict(kernel_size=1, depthwise=True),
-}
 
 
 def _random_dyt_conv(nhwc, seed=1, **conv):

@@ -13,6 +13,7 @@ from etfold.backends.arm._passes.fold_dyt_affine_into_conv_pass import (
 )
 from etfold.backends.arm._passes.fold_dyt_alpha_into_lut_pass import FoldDyTAlphaIntoLUTPass
 from etfold.decisions import collect_decisions
+from etfold.demo_models.arm_dyt import DYT_CONV_KINDS as CONVS
 from etfold.demo_models.arm_dyt import DyT, DyTConv, randomize_affine
 from etfold.harness.arm_passes import (
     lower_tosa_with_passes,
@@ -20,14 +21,6 @@ from etfold.harness.arm_passes import (
     run_pass_on,
 )
 from etfold.harness.tosa_runner import quantize_for_tosa
-
-CONVS = {
-    "1x1": dict(kernel_size=1),
-    "3x3_padded": dict(kernel_size=3, padding=1),
-    "3x3_unpadded": dict(kernel_size=3),
-    "dw3x3_padded": dict(kernel_size=3, padding=1, depthwise=True),
-    "dw1x1": dict(kernel_size=1, depthwise=True),
-}
 
 
 class Sites(torch.nn.Module):
