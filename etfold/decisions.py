@@ -35,9 +35,9 @@ class FoldDecision:
 _collectors: list[list[FoldDecision]] = []
 
 
-def _record(decision: FoldDecision) -> None:
+def _record(decision: FoldDecision, level: int = logging.INFO) -> None:
     verb = "applied" if decision.applied else "declined"
-    logger.info("%s %s at %s: %s", decision.fold, verb, decision.where, decision.detail)
+    logger.log(level, "%s %s at %s: %s", decision.fold, verb, decision.where, decision.detail)
     for collector in _collectors:
         collector.append(decision)
 
@@ -46,8 +46,9 @@ def record_applied(fold: str, where: str, detail: str = "") -> None:
     _record(FoldDecision(fold, True, where, detail))
 
 
-def record_declined(fold: str, where: str, reason: str) -> None:
-    _record(FoldDecision(fold, False, where, reason))
+def record_declined(fold: str, where: str, reason: str, *, level: int = logging.INFO) -> None:
+    """`level=logging.WARNING` for declines that cost the user (work left on portable kernels)."""
+    _record(FoldDecision(fold, False, where, reason), level)
 
 
 @contextlib.contextmanager
