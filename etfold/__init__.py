@@ -1,3 +1,12 @@
-"""etfold: guarded, registered folds for ExecuTorch's XNNPACK and Arm backends."""
+"""etfold: guarded, registered folds for ExecuTorch's XNNPACK and Arm backends.
+
+Importing `etfold` is cheap (no torch): the folds live in `etfold.backends` and
+`etfold.exir`. `etfold.set_log_level("INFO")` shows every fold decision;
+`etfold.collect_decisions()` gathers them in a block.
+"""
+
+from etfold.decisions import collect_decisions, set_log_level
 
 __version__ = "0.1.0"
+
+__all__ = ["__version__", "collect_decisions", "set_log_level"]
