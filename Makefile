@@ -1,19 +1,21 @@
 # Two entry points, both self-installing: `make report` and `make test`.
-# The venv is rebuilt only when the dependency declarations change.
+# The venv is (re)installed only when the dependency declarations or the pins change.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed
-# This machine keeps the CPU build of torch 2.13.0 in /opt/wheels; elsewhere pip's own config applies.
-FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
+CONSTRAINTS := constraints.txt
+# The CPU build of torch pinned in constraints.txt: on this machine it lies in
+# /opt/wheels; elsewhere it comes from PyTorch's CPU index (PyPI's is the CUDA build).
+TORCH_SOURCE := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,--extra-index-url https://download.pytorch.org/whl/cpu)
 
 .PHONY: install report test lint bench buck
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet $(FIND_LINKS) -e '.[test]'
+	$(VENV)/bin/python -m pip install --quiet $(TORCH_SOURCE) -c $(CONSTRAINTS) -e '.[test]'
 	touch $(STAMP)
 
 report: $(STAMP)
