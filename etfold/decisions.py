@@ -55,10 +55,10 @@ def fold_logger(fold: str) -> logging.Logger:
     return logging.getLogger(f"{ROOT_LOGGER}.{fold}")
 
 
-def _record(decision: FoldDecision) -> None:
+def _record(decision: FoldDecision, level: int = logging.INFO) -> None:
     verb = "applied" if decision.applied else "declined"
-    fold_logger(decision.fold).info(
-        "%s %s at %s: %s", decision.fold, verb, decision.where, decision.detail
+    fold_logger(decision.fold).log(
+        level, "%s %s at %s: %s", decision.fold, verb, decision.where, decision.detail
     )
     for collector in _collectors.get():
         collector.append(decision)
@@ -68,8 +68,9 @@ def record_applied(fold: str, where: str, detail: str = "") -> None:
     _record(FoldDecision(fold, True, where, detail))
 
 
-def record_declined(fold: str, where: str, reason: str) -> None:
-    _record(FoldDecision(fold, False, where, reason))
+def record_declined(fold: str, where: str, reason: str, *, level: int = logging.INFO) -> None:
+    """`level=logging.WARNING` for declines that cost the user (work left on portable kernels)."""
+    _record(FoldDecision(fold, False, where, reason), level)
 
 
 @contextlib.contextmanager
