@@ -140,7 +140,7 @@ def test_declines_when_converting_a_constant():
 
 def test_declines_when_bf16_is_not_enabled():
     x = torch.randn(3, 5)
-    partitioner = XnnpackPartitioner(fold_weights=False)
+    partitioner = XnnpackPartitioner(fold_weights=False, enable_bf16=False)
     program, expected, decisions = _lower(Convert(torch.bfloat16), (x,), partitioner)
     _assert_declined(program, expected, decisions, (x,), "enable_bf16=True")
 
@@ -184,12 +184,12 @@ def test_delegate_dtype_converts_false_is_upstream_partitioning():
     assert "_to_copy.default" not in etfold_off.target_partitioner_configs
 
 
-def test_configs_swap_upstreams_copy_config_and_mark_the_delegation_spec():
+def test_configs_swap_upstreams_copy_config_and_leave_the_delegation_spec():
     partitioner = XnnpackPartitioner(fold_weights=False)
     configs = partitioner.target_partitioner_configs
     assert type(configs["_to_dim_order_copy.default"]) is DtypeConvertingToDimOrderCopyConfig
     assert type(configs["_to_copy.default"]) is DtypeConvertingToCopyConfig
-    assert partitioner.delegation_spec.compile_specs == [DTYPE_CONVERTS_SPEC]
+    assert partitioner.delegation_spec.compile_specs == []  # marked per partition
     explicit = XnnpackPartitioner(configs=[ToDimOrderCopyConfig], fold_weights=False)
     assert set(explicit.target_partitioner_configs) == {
         "_to_dim_order_copy.default",
