@@ -29,6 +29,7 @@ from etfold.harness.inspection import (
     tosa_operator_counts,
 )
 from etfold.harness.modules import in_eval_mode
+from etfold.harness.xnnpack_runner import max_abs_error
 
 INT = "TOSA-1.0+INT"
 FP = "TOSA-1.0+FP"
@@ -322,6 +323,18 @@ def lower_module_tosa(
     else:
         program = torch.export.export(module, inputs)
     return lower_tosa(program, profile, **lower_kwargs), reference
+
+
+def max_code_difference(actual: TosaResult, expected: TosaResult) -> int:
+    """The largest |difference| between two runs' integer delegate codes, in LSB.
+
+    Both runs must have produced the same number of delegate outputs with the
+    same shapes and integer dtypes; anything else raises AssertionError.
+    """
+    for code in (*actual.codes, *expected.codes):
+        if code.dtype.is_floating_point or code.dtype.is_complex:
+            raise AssertionError(f"codes are {code.dtype}, not integers: compare outputs instead")
+    return int(max_abs_error(actual.codes, expected.codes))
 
 
 def output_scales(program: TosaProgram) -> list[float | None]:

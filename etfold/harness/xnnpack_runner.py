@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import types
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -135,15 +136,51 @@ def lower_module_xnnpack(
     return program, reference
 
 
-def max_abs_error(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> float:
+def _check_pair(index: int, actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """A structural mismatch is a failure, never a number."""
+    if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
+        raise AssertionError(
+            f"output {index}: {type(actual).__name__} vs expected {type(expected).__name__}"
+        )
+    if actual.shape != expected.shape:
+        raise AssertionError(
+            f"output {index}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
+        )
+    if actual.dtype != expected.dtype:
+        raise AssertionError(f"output {index}: dtype {actual.dtype} != expected {expected.dtype}")
+
+
+def _check_outputs(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> None:
     if len(actual) != len(expected):
         raise AssertionError(f"{len(actual)} outputs, expected {len(expected)}")
+    for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        _check_pair(index, a, e)
+
+
+def elementwise_error(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """|actual - expected| in float64, where non-finite values count exactly.
+
+    A NaN matches only a NaN at the same place, an infinity only the same
+    infinity; any other non-finite mismatch is an infinite error.
+    """
+    a, e = actual.double(), expected.double()
+    both_nan = a.isnan() & e.isnan()
+    same_inf = a.isinf() & (a == e)
+    diff = (a - e).abs()
+    diff = torch.where(both_nan | same_inf, torch.zeros_like(diff), diff)
+    return torch.where(diff.isnan(), torch.full_like(diff, math.inf), diff)
+
+
+def max_abs_error(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> float:
+    """The largest elementwise error over all outputs (`inf` for a non-finite mismatch).
+
+    Raises AssertionError when the output counts, shapes or dtypes differ.
+    """
+    _check_outputs(actual, expected)
     worst = 0.0
     for a, e in zip(actual, expected, strict=True):
-        if a.shape != e.shape:
-            raise AssertionError(f"output shape {tuple(a.shape)} != expected {tuple(e.shape)}")
-        diff = (a.double() - e.double()).abs()
-        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+        if a.numel():
+            worst = max(worst, float(elementwise_error(a, e).max()))
     return worst
 
 
@@ -154,6 +191,9 @@ def assert_close(
     atol: float,
     rtol: float = 0.0,
 ) -> None:
-    assert len(actual) == len(expected), f"{len(actual)} outputs, expected {len(expected)}"
-    for a, e in zip(actual, expected, strict=True):
-        torch.testing.assert_close(a, e, atol=atol, rtol=rtol, check_dtype=False)
+    """Same count, shapes and dtypes, NaN only where expected is NaN, then within tolerance."""
+    _check_outputs(actual, expected)
+    for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+        torch.testing.assert_close(
+            a, e, atol=atol, rtol=rtol, equal_nan=True, msg=lambda m, i=index: f"output {i}: {m}"
+        )

@@ -9,8 +9,10 @@ from etfold.harness.inspection import tosa_operator_counts
 from etfold.harness.tosa_runner import (
     FP,
     INT,
+    TosaResult,
     lower_module_tosa,
     lower_tosa,
+    max_code_difference,
     output_scales,
     quantize_for_tosa,
     run_exported,
@@ -125,3 +127,19 @@ def test_calibration_does_not_advance_the_programs_state():
     lowered = lower_tosa(program)
     lsb = output_scales(lowered)[-1]  # graph outputs: the state write-back, then the user output
     assert max_abs_error(lowered.run(x).outputs, eager_outputs(module, (x,))) <= 2.0001 * lsb
+
+
+def _result(*codes):
+    return TosaResult(outputs=[], codes=[torch.tensor(c, dtype=torch.int8) for c in codes])
+
+
+def test_code_difference_counts_lsb_and_refuses_mismatches():
+    assert max_code_difference(_result([1, -128, 127]), _result([1, -128, 127])) == 0
+    assert max_code_difference(_result([1, -128]), _result([2, 127])) == 255
+    with pytest.raises(AssertionError, match="outputs"):
+        max_code_difference(_result([1], [2]), _result([1]))
+    with pytest.raises(AssertionError, match="shape"):
+        max_code_difference(_result([1, 2]), _result([[1, 2]]))
+    floats = TosaResult(outputs=[], codes=[torch.tensor([float("nan")])])
+    with pytest.raises(AssertionError, match="not integers"):
+        max_code_difference(floats, floats)

@@ -144,3 +144,70 @@ def test_a_loaded_program_keeps_the_buffer_it_runs_from_alive():
     gc.collect()
     assert alive() is not None
     assert_close(loaded.run_method("forward", (x,)), reference, atol=1e-5)
+
+
+# ---- the oracle itself: nothing non-finite or mismatched passes as a small error ----
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected"),
+    [
+        ([NAN], [1.0]),
+        ([1.0], [NAN]),
+        ([INF], [1.0]),
+        ([1.0], [INF]),
+        ([INF], [-INF]),
+        ([NAN], [INF]),
+        ([0.5, NAN], [0.5, 2.0]),
+    ],
+    ids=[
+        "nan_out",
+        "nan_expected",
+        "inf_out",
+        "inf_expected",
+        "inf_sign",
+        "nan_vs_inf",
+        "late_nan",
+    ],
+)
+def test_a_non_finite_mismatch_is_an_infinite_error(actual, expected):
+    a, e = [torch.tensor(actual)], [torch.tensor(expected)]
+    assert max_abs_error(a, e) == INF
+    assert max_abs_error([torch.zeros(2), *a], [torch.zeros(2), *e]) == INF  # not the first output
+    with pytest.raises(AssertionError):
+        assert_close(a, e, atol=1e9)
+
+
+def test_nan_and_inf_match_only_the_same_value_at_the_same_place():
+    expected = [torch.tensor([NAN, INF, -INF, 1.0])]
+    assert max_abs_error([torch.tensor([NAN, INF, -INF, 1.25])], expected) == 0.25
+    assert_close([torch.tensor([NAN, INF, -INF, 1.0])], expected, atol=0)
+    with pytest.raises(AssertionError):
+        assert_close([torch.tensor([1.0, INF, -INF, NAN])], expected, atol=1e9)  # moved NaN
+
+
+@pytest.mark.parametrize(
+    ("actual", "expected", "what"),
+    [
+        ([torch.zeros(2, 3)], [torch.zeros(3, 2)], "shape"),
+        ([torch.zeros(6)], [torch.zeros(1, 6)], "shape"),
+        ([torch.zeros(2)], [torch.zeros(2, dtype=torch.float16)], "dtype"),
+        ([torch.zeros(2, dtype=torch.int32)], [torch.zeros(2)], "dtype"),
+        ([torch.zeros(2)], [torch.zeros(2), torch.zeros(2)], "outputs"),
+        ([], [torch.zeros(2)], "outputs"),
+    ],
+    ids=["transposed", "broadcastable", "fp16", "int32", "fewer", "none"],
+)
+def test_a_shape_dtype_or_count_mismatch_fails(actual, expected, what):
+    with pytest.raises(AssertionError, match=what):
+        max_abs_error(actual, expected)
+    with pytest.raises(AssertionError, match=what):
+        assert_close(actual, expected, atol=1e9)
+
+
+def test_empty_outputs_compare_equal_and_low_precision_errors_are_exact():
+    assert max_abs_error([torch.zeros(0, 4)], [torch.zeros(0, 4)]) == 0.0
+    half = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    assert max_abs_error([half], [half + 0.0078125]) == 0.0078125

@@ -32,6 +32,7 @@ from etfold.harness.tosa_runner import (
     quantize_exported_for_tosa,
     run_carried,
 )
+from etfold.harness.xnnpack_runner import max_abs_error
 
 STEPS = 32
 
@@ -99,10 +100,8 @@ def test_stateful_conv_mul_keeps_its_mul_and_drifts_no_more_than_unfolded():
     eager = _eager_buffer_steps(model, steps)
     folded_outs = [r.outputs[0] for r in run_carried(folded, steps, buffers=zero)]
     unfolded_outs = [r.outputs[0] for r in run_carried(unfolded, steps, buffers=zero)]
-    folded_drift = max(float((o - e).abs().max()) for o, e in zip(folded_outs, eager, strict=True))
-    unfolded_drift = max(
-        float((o - e).abs().max()) for o, e in zip(unfolded_outs, eager, strict=True)
-    )
+    folded_drift = max_abs_error(folded_outs, eager)
+    unfolded_drift = max_abs_error(unfolded_outs, eager)
     assert folded_drift <= unfolded_drift
     # the state really carries: later steps differ from a stateless run of the same inputs
     assert not torch.equal(folded_outs[5], folded.run(*steps[5]).outputs[0])
@@ -158,8 +157,8 @@ def test_marked_functional_state_keeps_its_mul(profile):
                 eager_out, eager_h = model(x_t, eager_h)
             marked_out, marked_h = marked.run(x_t, marked_h).outputs
             unfolded_out, unfolded_h = unfolded.run(x_t, unfolded_h).outputs
-            marked_drift = max(marked_drift, float((marked_out - eager_out).abs().max()))
-            unfolded_drift = max(unfolded_drift, float((unfolded_out - eager_out).abs().max()))
+            marked_drift = max(marked_drift, max_abs_error([marked_out], [eager_out]))
+            unfolded_drift = max(unfolded_drift, max_abs_error([unfolded_out], [eager_out]))
         assert marked_drift <= unfolded_drift
 
 
@@ -281,7 +280,7 @@ def test_fp_write_back_outside_the_delegate_is_seen_through_the_whole_program_ma
     zero = {"state": torch.zeros_like(model.state)}
     outs = [r.outputs[0] for r in run_carried(program, _steps(n=4), buffers=zero)]
     eager = _eager_buffer_steps(model, _steps(n=4))
-    assert max(float((o - e).abs().max()) for o, e in zip(outs, eager, strict=True)) < 1e-5
+    assert max_abs_error(outs, eager) < 1e-5
 
 
 def test_mark_write_backs_marks_exactly_the_written_values():
