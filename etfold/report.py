@@ -2,28 +2,42 @@
 
 Each model is built afresh for each lowering (its build is seeded), so neither
 lowering can see what the other did to a module.
+
+What a row shows, per backend:
+- XNNPACK: latency on the runtime in the executorch wheel. Stock and etfold are
+  timed interleaved in this process after warm-up, for a time budget
+  (`etfold.harness.timing`): median and p10–p90 per call, and the per-round
+  ratio etfold/stock with its p10–p90.
+- Arm (TOSA INT): the TOSA operators the delegates hold and, when Vela and the
+  harness's Ethos-U helper are installed, Vela's cycle estimate for an Ethos-U55
+  and an Ethos-U85. The TOSA reference model only checks numbers here; its
+  wall time says nothing about a device and is not shown.
+
+The stock row counts folds upstream applied itself: upstream's Arm scalar-mul
+fold is observed by comparing conv→mul sites before and after upstream's own
+annotation pipeline. Where a fold etfold declined leaves the two lowerings
+different, a note says which decline explains it.
 """
 
 from __future__ import annotations
 
-import statistics
+import contextlib
+import importlib.util
 import sys
-import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from etfold.decisions import FoldDecision, collect_decisions
-from etfold.demo_models import DemoModel
-from etfold.harness import tosa_runner, xnnpack_runner
-from etfold.harness.modules import in_eval_mode
+
+if TYPE_CHECKING:
+    from etfold.demo_models import DemoModel
 
 FLAVOURS = ("stock", "etfold")
 MAX_NOTES_PER_FOLD = 3  # distinct decisions per model, fold and verdict shown in the table
+UPSTREAM_SCALAR_MUL = "arm.scalar_mul_into_conv"
 
 
 @dataclass
@@ -39,16 +53,62 @@ class Outcome:
     applied: list[dict[str, str]] = field(default_factory=list)  # {fold, where, detail}
     declined: list[dict[str, str]] = field(default_factory=list)
     failure: str | None = None
+    p10_ms: float = float("nan")
+    p90_ms: float = float("nan")
+    timed_rounds: int = 0
+    ratio: float = float("nan")  # etfold/stock per call (etfold row), median over rounds
+    ratio_p10: float = float("nan")
+    ratio_p90: float = float("nan")
+    tosa_ops: dict[str, int] = field(default_factory=dict)
+    npu_cycles: dict[str, dict[str, int]] = field(default_factory=dict)  # target -> Vela
+    notes: list[str] = field(default_factory=list)
 
 
-def _median_ms(run: Callable[[], object], runs: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+@dataclass(frozen=True)
+class TimingPlan:
+    budget_s: float = 1.0  # per model, both lowerings together
+    min_rounds: int = 10
+
+
+@dataclass
+class _Lowered:
+    """One flavour's lowering, with what the report reads from it."""
+
+    run: Callable[[], object]
+    outputs: Callable[[], list]
+
+
+def failure_text(error: BaseException) -> str:
+    """`Type: first line` of the original error (a wrapper's cause), naming the op node
+    being processed when the traceback shows one."""
+    while error.__cause__ is not None:  # the original failure, not a wrapper's summary
+        error = error.__cause__
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    text = f"{type(error).__name__}: {lines[0].strip() if lines else '(no message)'}"
+    node = _innermost_node(error)
+    if node is not None:
+        from etfold.harness.inspection import op_name
+
+        target = op_name(node.target) if node.op == "call_function" else node.op
+        text += f" [at node {node.name}: {target}]"
+    return text[:400]
+
+
+def _innermost_node(error: BaseException):
+    """The op node the innermost frame holding a torch.fx.Node was handling, if it is one.
+
+    Only the innermost such frame counts: an outer frame's node is whatever its
+    loop last visited, and naming the wrong op is worse than naming none.
+    """
+    import torch
+
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        nodes = [v for v in tb.tb_frame.f_locals.values() if isinstance(v, torch.fx.Node)]
+        found = nodes[-1] if nodes else found
+        tb = tb.tb_next
+    return found if found is not None and found.op == "call_function" else None
 
 
 def _summarize(decisions: Sequence[FoldDecision], outcome: Outcome) -> None:
@@ -58,6 +118,8 @@ def _summarize(decisions: Sequence[FoldDecision], outcome: Outcome) -> None:
 
 
 def _xnnpack_lowering(flavour: str, program, partitioner_kwargs: Mapping[str, Any]):
+    from etfold.harness import xnnpack_runner
+
     if flavour == "stock":
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
             XnnpackPartitioner as UpstreamXnnpackPartitioner,
@@ -74,93 +136,305 @@ def _xnnpack_lowering(flavour: str, program, partitioner_kwargs: Mapping[str, An
     )
 
 
-def _run_xnnpack(
-    outcome: Outcome, module, inputs, reference, runs: int, partitioner_kwargs: Mapping[str, Any]
-) -> None:
+def _lower_xnnpack(outcome: Outcome, model: DemoModel) -> _Lowered:
+    import torch
+
+    from etfold.harness.modules import in_eval_mode
+
+    module, inputs = model.build()
     program = torch.export.export(in_eval_mode(module), inputs)
     with collect_decisions() as decisions:
-        lowered = _xnnpack_lowering(outcome.flavour, program, partitioner_kwargs)
+        lowered = _xnnpack_lowering(outcome.flavour, program, model.partitioner_kwargs)
     _summarize(decisions, outcome)
     outcome.delegates = lowered.delegates()
     outcome.ops_outside = dict(lowered.ops_outside())
     outcome.pte_bytes = lowered.pte_bytes
-    outcome.max_error = xnnpack_runner.max_abs_error(lowered.run(*inputs), reference)
-    outcome.median_ms = _median_ms(lambda: lowered.run(*inputs), runs)
+    return _Lowered(lambda: lowered.run(*inputs), lambda: lowered.run(*inputs))
 
 
-def _run_arm(outcome: Outcome, module, inputs, reference, runs: int, calibration) -> None:
+def _arm_folds(flavour: str):
+    import contextlib
+
+    if flavour == "stock":
+        return contextlib.nullcontext()
     from etfold.backends.arm import arm_folds_registered
 
-    def lower():
-        program = tosa_runner.quantize_for_tosa(module, inputs, calibration=calibration)
-        return tosa_runner.lower_tosa(program)
+    return arm_folds_registered()
 
-    with collect_decisions() as decisions:
-        if outcome.flavour == "stock":
-            lowered = lower()
-        else:
-            with arm_folds_registered():
-                lowered = lower()
+
+def upstream_scalar_mul_folds(module, inputs) -> list[FoldDecision]:
+    """The conv × scale sites upstream's own annotation pipeline folds in this model.
+
+    Read by comparison: conv→mul sites in the exported graph, then in the graph
+    upstream's `transform_for_annotation` (which runs its unguarded
+    FoldScalarMulIntoConvPass) returns; every site gone was folded by upstream.
+    """
+    import copy
+
+    import torch
+
+    from etfold.harness.modules import in_eval_mode
+    from etfold.harness.tosa_runner import tosa_quantizer
+
+    exported = torch.export.export(in_eval_mode(copy.deepcopy(module)), inputs)
+    graph_module = exported.module(check_guards=False)
+    before = _conv_mul_sites(graph_module)
+    after = _conv_mul_sites(tosa_quantizer().transform_for_annotation(graph_module))
+    folded = len(before) - len(after)
+    return [
+        FoldDecision(
+            UPSTREAM_SCALAR_MUL,
+            True,
+            name,
+            "by upstream's FoldScalarMulIntoConvPass (no carried-state or sharing guard)",
+        )
+        for name in before[:folded]
+    ]
+
+
+def _conv_mul_sites(graph_module) -> list[str]:
+    import torch
+
+    conv = {torch.ops.aten.conv2d.default, torch.ops.aten.convolution.default}
+    mul = {torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar}
+    return [
+        node.name
+        for node in graph_module.graph.nodes
+        if node.op == "call_function"
+        and node.target in mul
+        and any(getattr(a, "target", None) in conv for a in node.args)
+    ]
+
+
+def _lower_arm(outcome: Outcome, model: DemoModel) -> _Lowered:
+    from etfold.harness import tosa_runner
+
+    module, inputs = model.build()
+    if outcome.flavour == "stock":
+        _summarize(upstream_scalar_mul_folds(module, inputs), outcome)
+    with collect_decisions() as decisions, _arm_folds(outcome.flavour):
+        program = tosa_runner.quantize_for_tosa(module, inputs, calibration=model.calibration())
+        lowered = tosa_runner.lower_tosa(program)
     _summarize(decisions, outcome)
     outcome.delegates = lowered.delegates()
     outcome.ops_outside = dict(lowered.ops_outside())
+    outcome.tosa_ops = dict(sorted(lowered.operator_counts().items()))
     outcome.pte_bytes = len(lowered.edge.to_executorch().buffer)
-    outcome.max_error = xnnpack_runner.max_abs_error(lowered.run(*inputs).outputs, reference)
-    outcome.median_ms = _median_ms(lambda: lowered.run(*inputs), runs)
+    return _Lowered(lambda: lowered.run(*inputs), lambda: lowered.run(*inputs).outputs)
 
 
-def evaluate(model: DemoModel, *, runs: int = 5) -> list[Outcome]:
-    """Stock and etfold outcomes for one model; a failing lowering is reported, not raised."""
-    module, inputs = model.build()
-    reference = xnnpack_runner.eager_outputs(module, inputs)
-    outcomes = []
-    for flavour in FLAVOURS:
-        outcome = Outcome(model.name, model.backend, flavour)
+def vela_available() -> bool:
+    return (
+        importlib.util.find_spec("etfold.harness.vela") is not None
+        and importlib.util.find_spec("ethosu") is not None
+    )
+
+
+def _add_npu_cycles(outcome: Outcome, model: DemoModel) -> None:
+    """Vela's estimate for each Ethos-U target; a Vela failure is a note, not a failed row."""
+    from etfold.harness import vela
+
+    for target in vela.TARGETS:
         module, inputs = model.build()
         try:
-            if model.backend == "xnnpack":
-                _run_xnnpack(outcome, module, inputs, reference, runs, model.partitioner_kwargs)
-            elif model.backend == "arm":
-                _run_arm(outcome, module, inputs, reference, runs, model.calibration())
-            else:
+            with collect_decisions(), _arm_folds(outcome.flavour):
+                program = vela.lower_module_ethos_u(
+                    module, inputs, target, calibration=model.calibration()
+                )
+            estimate = program.estimate
+        except Exception as error:  # the row stands without the estimate
+            outcome.notes.append(f"Vela {target}: {failure_text(error)}")
+            continue
+        outcome.npu_cycles[target] = {
+            "total": estimate.total_cycles,
+            "npu": estimate.npu_cycles,
+        }
+
+
+def _time(lowered: Mapping[str, _Lowered], outcomes: Mapping[str, Outcome], plan: TimingPlan):
+    from etfold.harness.timing import time_interleaved
+
+    timing = time_interleaved(
+        {flavour: low.run for flavour, low in lowered.items()},
+        budget_s=plan.budget_s,
+        min_rounds=plan.min_rounds,
+    )
+    for flavour, spread in timing.milliseconds.items():
+        o = outcomes[flavour]
+        o.median_ms, o.p10_ms, o.p90_ms = spread.median, spread.p10, spread.p90
+        o.timed_rounds = timing.rounds
+    if ("stock", "etfold") in timing.ratios:
+        ratio = timing.ratios["stock", "etfold"]
+        o = outcomes["etfold"]
+        o.ratio, o.ratio_p10, o.ratio_p90 = ratio.median, ratio.p10, ratio.p90
+
+
+def _explain_differences(stock: Outcome, ours: Outcome) -> None:
+    """A note on the etfold row when a fold stock applied was declined by etfold."""
+    if stock.failure or ours.failure:
+        return
+    stock_applied = Counter(r["fold"] for r in stock.applied)
+    for fold, count in stock_applied.items():
+        ours_applied = sum(r["fold"] == fold for r in ours.applied)
+        declines = [r for r in ours.declined if r["fold"] == fold]
+        if ours_applied >= count or not declines:
+            continue
+        size = ours.pte_bytes - stock.pte_bytes
+        ours.notes.append(
+            f"stock applied {fold} {count}× where etfold declined {count - ours_applied}× "
+            f"({declines[0]['detail']}); that is the .pte difference ({size:+,} B) "
+            "and the ops it keeps"
+        )
+
+
+def evaluate(
+    model: DemoModel,
+    *,
+    timing: TimingPlan | None = None,
+    npu: bool = True,
+    debug: bool = False,
+) -> list[Outcome]:
+    """Stock and etfold outcomes for one model; a failing lowering is reported, not raised."""
+    from etfold.harness import xnnpack_runner
+
+    plan = timing or TimingPlan()
+    module, inputs = model.build()
+    reference = xnnpack_runner.eager_outputs(module, inputs)
+    outcomes = {f: Outcome(model.name, model.backend, f) for f in FLAVOURS}
+    lowered: dict[str, _Lowered] = {}
+    lower = {"xnnpack": _lower_xnnpack, "arm": _lower_arm}.get(model.backend)
+    for flavour, outcome in outcomes.items():
+        try:
+            if lower is None:
                 raise ValueError(f"unknown backend {model.backend!r}")
+            low = lower(outcome, model)
+            outcome.max_error = xnnpack_runner.max_abs_error(low.outputs(), reference)
+            lowered[flavour] = low
         except Exception as error:  # the report shows a failed lowering instead of dying
-            outcome.failure = f"{type(error).__name__}: {error}".splitlines()[0][:300]
-            traceback.print_exc(file=sys.stderr)
-        outcomes.append(outcome)
-    return outcomes
+            outcome.failure = failure_text(error)
+            if debug:
+                traceback.print_exc(file=sys.stderr)
+    if model.backend == "xnnpack" and lowered:
+        _time(lowered, outcomes, plan)
+    if model.backend == "arm" and npu and vela_available():
+        for flavour in lowered:
+            _add_npu_cycles(outcomes[flavour], model)
+    _explain_differences(outcomes["stock"], outcomes["etfold"])
+    return list(outcomes.values())
+
+
+class UserInputError(ValueError):
+    """A user's file or argument the report cannot use; the message is one line."""
+
+
+def load_user_program(path: str):
+    """torch.export.load(path), with every way a file can be unusable as one clear line."""
+    import os
+    import zipfile
+
+    import torch
+
+    if not os.path.exists(path):
+        raise UserInputError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise UserInputError(f"{path}: is a directory, expected a .pt2 file")
+    if not zipfile.is_zipfile(path):
+        raise UserInputError(
+            f"{path}: not a readable .pt2 archive (truncated, or not written by "
+            "torch.export.save(program, path))"
+        )
+    try:
+        with _logged_errors("torch.export") as logged:
+            program = torch.export.load(path)
+    except Exception as error:
+        raise UserInputError(_load_error_text(path, error, logged)) from error
+    if program.example_inputs is None:
+        raise UserInputError(
+            f"{path}: saved without example inputs; export with example args "
+            "(torch.export.export(model, args)) and save again"
+        )
+    args, kwargs = program.example_inputs
+    if kwargs:
+        raise UserInputError(
+            f"{path}: example inputs are passed by keyword ({', '.join(sorted(kwargs))}); "
+            "the report needs positional example inputs"
+        )
+    return program
+
+
+@contextlib.contextmanager
+def _logged_errors(logger_name: str) -> Iterator[list[str]]:
+    """Messages (and logged exceptions) of a logger during the block: torch.export.load
+    logs the real reason a program does not deserialize and raises a generic error."""
+    import logging
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+            if record.exc_info and record.exc_info[1] is not None:
+                error = record.exc_info[1]
+                while error is not None:
+                    messages.append(str(error))
+                    error = error.__cause__ or error.__context__
+
+    logger = logging.getLogger(logger_name)
+    handler = Keep(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def _load_error_text(path: str, error: BaseException, logged: Sequence[str]) -> str:
+    import re
+
+    for text in (*logged, str(error)):
+        unresolved = re.search(r"failed to resolve (\S+) to an operator", text)
+        if unresolved:
+            return (
+                f"{path}: uses {unresolved.group(1)}, which is not registered in this process "
+                "(import the library that defines the custom op, then run the report from Python)"
+            )
+    message = " ".join(str(error).split())
+    return f"{path}: cannot read the exported program ({type(error).__name__}: {message[:200]})"
 
 
 def user_program(path: str, backend: str) -> DemoModel:
     """A user's `.pt2` as a report model; each build loads it afresh."""
+    from etfold.demo_models.base import DemoModel
 
     def build():
-        program = torch.export.load(path)
-        if program.example_inputs is None:
-            raise ValueError(
-                f"{path} has no example inputs; export with example args and save again"
-            )
-        args, kwargs = program.example_inputs
-        if kwargs:
-            raise ValueError(f"{path}: keyword example inputs are not supported by the report")
+        program = load_user_program(path)
+        args, _ = program.example_inputs
         return program.module(check_guards=False), tuple(args)
 
     return DemoModel(path, backend, build, "a user's exported program")
 
 
-def _ops_text(ops: dict[str, int]) -> str:
+def _ops_text(ops: Mapping[str, int], top: int = 2) -> str:
     total = sum(ops.values())
     if not total:
         return "0"
-    top = ", ".join(
-        f"{name.split('.')[-2] if '.' in name else name}×{n}"
-        for name, n in Counter(ops).most_common(2)
+    kinds = ", ".join(
+        f"{name.split('.')[-2] if name.count('.') >= 2 else name}×{n}"
+        for name, n in Counter(ops).most_common(top)
     )
-    return f"{total} ({top})"
+    more = ", …" if len(ops) > top else ""
+    return f"{total} ({kinds}{more})"
 
 
-def _decision_notes(prefix: str, records: Sequence[dict[str, str]]) -> list[str]:
-    """One line per distinct (fold, detail) with its count, at most a few per fold."""
+def _decision_notes(
+    prefix: str, records: Sequence[dict[str, str]], explain: bool = False
+) -> list[str]:
+    """One line per distinct (fold, detail) with its count, at most a few per fold.
+
+    With `explain`, one line per decision, each with where it was taken.
+    """
+    if explain:
+        return [f"{prefix} {r['fold']}: {r['detail'] or '-'} ({r['where']})" for r in records]
     groups = Counter((r["fold"], r["detail"]) for r in records)
     example = {(r["fold"], r["detail"]): r["where"] for r in reversed(records)}
     lines, kinds = [], Counter()
@@ -174,50 +448,81 @@ def _decision_notes(prefix: str, records: Sequence[dict[str, str]]) -> list[str]
     for fold, kind_count in kinds.items():
         if kind_count > MAX_NOTES_PER_FOLD:
             lines.append(
-                f"{prefix} {fold}: {kind_count - MAX_NOTES_PER_FOLD} more (--json lists all)"
+                f"{prefix} {fold}: {kind_count - MAX_NOTES_PER_FOLD} more (--explain lists all)"
             )
     return lines
 
 
-def format_table(outcomes: Sequence[Outcome]) -> str:
-    header = (
-        "model",
-        "backend",
-        "lowering",
-        "delegates",
-        "ops outside",
-        ".pte bytes",
-        "median ms",
-        "max err",
-        "folds",
-    )
+def _latency_cells(o: Outcome) -> tuple[str, str]:
+    if o.timed_rounds == 0:
+        return "-", "-"
+    latency = f"{o.median_ms:.3f} ({o.p10_ms:.3f}–{o.p90_ms:.3f})"
+    if o.flavour == "stock" or o.ratio != o.ratio:  # NaN: no paired stock timing
+        return latency, "-"
+    return latency, f"{o.ratio:.2f}x ({o.ratio_p10:.2f}–{o.ratio_p90:.2f})"
+
+
+def _cycles_cell(o: Outcome, target: str) -> str:
+    cycles = o.npu_cycles.get(target)
+    return f"{cycles['total']:,}" if cycles else "-"
+
+
+def _folds_cell(o: Outcome) -> str:
+    return f"{len(o.applied)} applied, {len(o.declined)} declined"
+
+
+_COMMON = ("model", "lowering", "delegates", "ops outside", ".pte bytes")
+
+
+def _backend_table(outcomes: Sequence[Outcome], backend: str, targets: Sequence[str]) -> list[str]:
+    if backend == "xnnpack":
+        extra = ("median ms (p10–p90)", "etfold/stock (p10–p90)")
+    else:
+        extra = ("TOSA ops", *(f"{t} cycles" for t in targets))
+    header = (*_COMMON, *extra, "max err", "folds")
     rows = []
     for o in outcomes:
         if o.failure:
-            rows.append(
-                (o.model, o.backend, o.flavour, "-", "-", "-", "-", "-", f"FAILED: {o.failure}")
-            )
+            rows.append((o.model, o.flavour, *["-"] * (len(header) - 3), f"FAILED: {o.failure}"))
             continue
+        if backend == "xnnpack":
+            cells = _latency_cells(o)
+        else:
+            cells = (_ops_text(o.tosa_ops, 3), *(_cycles_cell(o, t) for t in targets))
         rows.append(
             (
                 o.model,
-                o.backend,
                 o.flavour,
                 str(o.delegates),
                 _ops_text(o.ops_outside),
                 f"{o.pte_bytes:,}",
-                f"{o.median_ms:.3f}",
+                *cells,
                 f"{o.max_error:.3g}",
-                f"{len(o.applied)} applied, {len(o.declined)} declined",
+                _folds_cell(o),
             )
         )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    line = lambda r: "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
-    out = [line(header), line(tuple("-" * w for w in widths)), *map(line, rows)]
+
+    def line(r):
+        return "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+
+    return [line(header), line(tuple("-" * w for w in widths)), *map(line, rows)]
+
+
+def format_table(outcomes: Sequence[Outcome], *, explain: bool = False) -> str:
+    out: list[str] = []
+    for backend in dict.fromkeys(o.backend for o in outcomes):
+        rows = [o for o in outcomes if o.backend == backend]
+        targets = sorted({t for o in rows for t in o.npu_cycles})
+        title = (
+            "XNNPACK" if backend == "xnnpack" else "Arm TOSA INT" if backend == "arm" else backend
+        )
+        out += [*([""] if out else []), f"{title}:", *_backend_table(rows, backend, targets)]
     notes = []
     for o in outcomes:
         for verdict, records in (("applied ", o.applied), ("declined", o.declined)):
-            notes += _decision_notes(f"  {o.model} [{o.flavour}] {verdict}", records)
+            notes += _decision_notes(f"  {o.model} [{o.flavour}] {verdict}", records, explain)
+        notes += [f"  {o.model} [{o.flavour}] note     {n}" for n in o.notes]
     if notes:
         out += ["", "fold decisions:", *notes]
     return "\n".join(out)

@@ -21,6 +21,10 @@ class DemoModel:
     `calibration` returns extra calibration samples for Arm models.
     `partitioner_kwargs` go to both XNNPACK partitioners, stock and etfold
     (e.g. `enable_bf16=True`), so the comparison is like for like.
+    `requires` names the Python modules the model needs beyond etfold's core
+    dependencies (e.g. "transformers"); the report skips it, naming the extra
+    that brings them, when one is missing. Write the `DemoModel(...)` call
+    with literal strings so `etfold report --list` can read it without imports.
     """
 
     name: str
@@ -29,3 +33,4 @@ class DemoModel:
     description: str
     calibration: Callable[[], list[tuple[torch.Tensor, ...]]] = field(default=lambda: [])
     partitioner_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    requires: tuple[str, ...] = ()

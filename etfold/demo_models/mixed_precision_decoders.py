@@ -97,11 +97,13 @@ MODELS = [
         _gemma3(torch.bfloat16),
         "Gemma3 (2 layers, hidden 256) in bf16: fp32 RMSNorm/rotary converts between bf16 ops",
         partitioner_kwargs={"enable_bf16": True},
+        requires=("transformers",),
     ),
     DemoModel(
         "gemma3_tiny_fp16",
         "xnnpack",
         _gemma3(torch.float16),
         "Gemma3 (2 layers, hidden 256) in fp16: fp32 RMSNorm/rotary converts between fp16 ops",
+        requires=("transformers",),
     ),
 ]

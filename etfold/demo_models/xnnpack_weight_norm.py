@@ -80,5 +80,6 @@ MODELS = [
         "xnnpack",
         lambda: hifigan(24),
         "SpeechT5HifiGan (transformers) with a small random config and apply_weight_norm(), 24 frames",
+        requires=("transformers",),
     ),
 ]

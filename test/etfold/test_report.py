@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from etfold import cli, report
+from etfold import cli, demo_models, report
 from etfold.demo_models import all_models
 
 
@@ -16,22 +16,26 @@ def test_every_built_in_model_has_a_unique_name_and_a_known_backend():
     assert sum(m.backend == "arm" for m in models) >= 1
 
 
+def test_catalogue_read_from_source_matches_the_imported_models():
+    imported = [(m.name, m.backend, m.description, tuple(m.requires)) for m in all_models()]
+    read = [(e.name, e.backend, e.description, e.requires) for e in demo_models.catalogue()]
+    assert read == imported
+    assert ("transformers",) in {e.requires for e in demo_models.catalogue()}
+
+
+def test_a_model_with_a_missing_extra_is_skipped_with_one_line_naming_it(monkeypatch, capsys):
+    monkeypatch.setitem(demo_models.BACKEND_REQUIRES, "arm", ("etfold_no_such_module",))
+    monkeypatch.setitem(demo_models.EXTRA_FOR_MODULE, "etfold_no_such_module", "arm")
+    assert cli.main(["report", "--backend", "arm", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == []
+    arm = [e.name for e in demo_models.catalogue() if e.backend == "arm"]
+    assert captured.err == f"skipped {', '.join(arm)}: pip install 'etfold[arm]' to run them\n"
+
+
 def test_report_runs_both_lowerings_on_the_runtime(capsys):
-    assert (
-        cli.main(
-            [
-                "report",
-                "--model",
-                "conv_block",
-                "--model",
-                "conv_block_int8",
-                "--runs",
-                "1",
-                "--json",
-            ]
-        )
-        == 0
-    )
+    argv = ["report", "--model", "conv_block", "--model", "conv_block_int8", "--json"]
+    assert cli.main([*argv, "--runs", "20", "--budget", "0.05", "--no-npu"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["model"], r["flavour"]) for r in rows] == [
         ("conv_block", "stock"),
@@ -41,9 +45,20 @@ def test_report_runs_both_lowerings_on_the_runtime(capsys):
     ]
     for row in rows:
         assert row["failure"] is None
-        assert row["delegates"] == 1 and row["pte_bytes"] > 0 and row["median_ms"] > 0
-    assert rows[0]["max_error"] < 1e-4
-    assert rows[2]["max_error"] < 0.05  # int8: a couple of LSB of the output scale
+        assert row["delegates"] == 1 and row["pte_bytes"] > 0
+    stock, ours, arm_stock, arm_ours = rows
+    assert stock["pte_bytes"] == ours["pte_bytes"]  # nothing to fold: the same program
+    for row in (stock, ours):
+        assert row["timed_rounds"] >= 20
+        assert 0 < row["p10_ms"] <= row["median_ms"] <= row["p90_ms"]
+    assert ours["ratio_p10"] <= ours["ratio"] <= ours["ratio_p90"] and stock["ratio"] is None
+    assert stock["max_error"] < 1e-4
+    # Arm rows: TOSA operators, no reference-model wall time
+    for row in (arm_stock, arm_ours):
+        assert row["median_ms"] is None and row["timed_rounds"] == 0
+        assert row["tosa_ops"]["CONV2D"] == 2
+        assert row["max_error"] < 0.05  # int8: a couple of LSB of the output scale
+    assert arm_stock["tosa_ops"] == arm_ours["tosa_ops"]
 
 
 def test_table_lists_every_row_and_decision():
@@ -71,8 +86,11 @@ def test_table_lists_every_row_and_decision():
     many.applied = [{"fold": "fold.z", "where": f"n{i}", "detail": f"site {i}"} for i in range(5)]
     lines = report.format_table([many]).splitlines()
     assert sum("applied  fold.z: site" in line for line in lines) == 3
-    assert any("fold.z: 2 more (--json lists all)" in line for line in lines)
-    assert len(table.splitlines()) == 2 + 3 + 2 + 2
+    assert any("fold.z: 2 more (--explain lists all)" in line for line in lines)
+    explained = report.format_table([many], explain=True).splitlines()
+    assert sum("applied  fold.z: site" in line for line in explained) == 5
+    # a title and two header lines per backend, a blank line between, then the decisions
+    assert len(table.splitlines()) == (3 + 2) + 1 + (3 + 1) + 2 + 2
 
 
 def test_report_accepts_a_users_exported_program(tmp_path, capsys):
@@ -80,7 +98,7 @@ def test_report_accepts_a_users_exported_program(tmp_path, capsys):
     module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU()).eval()
     path = tmp_path / "user.pt2"
     torch.export.save(torch.export.export(module, (torch.randn(2, 8),)), path)
-    assert cli.main(["report", "--program", str(path), "--runs", "1", "--json"]) == 0
+    assert cli.main(["report", "--program", str(path), "--budget", "0.05", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["flavour"] for r in rows] == ["stock", "etfold"]
     assert all(r["max_error"] < 1e-5 and r["delegates"] == 1 for r in rows)
