@@ -1,0 +1,196 @@
+"""`etfold report` as a user meets it: one stderr line and a documented exit code for
+every bad input, no traceback unless --debug, lazy imports, every decision on --explain."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.nn.utils.parametrizations import weight_norm
+
+from etfold import cli
+
+FAST = ["--budget", "0.05", "--runs", "3", "--no-npu"]
+
+
+def _run(capfd, argv: list[str]) -> tuple[int, str, list[str]]:
+    code = cli.main(argv)
+    captured = capfd.readouterr()
+    return code, captured.out, captured.err.splitlines()
+
+
+def _assert_one_clean_line(lines: list[str], *fragments: str) -> None:
+    assert len(lines) == 1, lines
+    assert "Traceback" not in lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def _save(tmp_path, module, args, kwargs=None, name="program.pt2"):
+    path = tmp_path / name
+    torch.export.save(torch.export.export(module, args, kwargs), path)
+    return path
+
+
+class WithKeyword(torch.nn.Module):
+    def forward(self, x, *, bias):
+        return x + bias
+
+
+class CustomOp(torch.nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x):
+        return self.op(torch.relu(x))
+
+
+def _custom_op_library(namespace: str):
+    """A custom op with eager and meta kernels but no out variant (nothing can emit it)."""
+    lib = torch.library.Library(namespace, "DEF")
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda x: x * 2, "CompositeExplicitAutograd")
+    lib.impl("twice", torch.empty_like, "Meta")
+    return lib, getattr(torch.ops, namespace).twice
+
+
+def test_missing_file(capfd, tmp_path):
+    code, out, err = _run(capfd, ["report", "--program", str(tmp_path / "nope.pt2")])
+    assert (code, out) == (2, "")
+    _assert_one_clean_line(err, "nope.pt2: no such file")
+
+
+def test_missing_file_with_debug_shows_the_traceback(capfd, tmp_path):
+    code, _, err = _run(capfd, ["report", "--program", str(tmp_path / "nope.pt2"), "--debug"])
+    assert code == 2
+    assert err[0].startswith("Traceback") and err[-1].endswith("nope.pt2: no such file")
+
+
+def test_text_file(capfd, tmp_path):
+    path = tmp_path / "notes.pt2"
+    path.write_text("not a program\n")
+    code, _, err = _run(capfd, ["report", "--program", str(path)])
+    assert code == 2
+    _assert_one_clean_line(err, "notes.pt2: not a readable .pt2 archive")
+
+
+def test_truncated_pt2(capfd, tmp_path):
+    path = _save(tmp_path, torch.nn.Linear(4, 2).eval(), (torch.randn(1, 4),))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    code, _, err = _run(capfd, ["report", "--program", str(path)])
+    assert code == 2
+    _assert_one_clean_line(err, "not a readable .pt2 archive (truncated")
+
+
+def test_keyword_example_inputs(capfd, tmp_path):
+    path = _save(tmp_path, WithKeyword(), (torch.randn(2),), {"bias": torch.randn(2)})
+    code, _, err = _run(capfd, ["report", "--program", str(path)])
+    assert code == 2
+    _assert_one_clean_line(err, "example inputs are passed by keyword (bias)")
+
+
+def test_pt2_without_example_inputs(capfd, tmp_path):
+    program = torch.export.export(torch.nn.Linear(4, 2).eval(), (torch.randn(1, 4),))
+    program._example_inputs = None
+    path = tmp_path / "bare.pt2"
+    torch.export.save(program, path)
+    code, _, err = _run(capfd, ["report", "--program", str(path)])
+    assert code == 2
+    _assert_one_clean_line(err, "saved without example inputs")
+
+
+def test_unregistered_custom_op(capfd, tmp_path):
+    lib, op = _custom_op_library("etfold_cli_gone")
+    path = _save(tmp_path, CustomOp(op), (torch.randn(2, 3),))
+    lib._destroy()
+    code, _, err = _run(capfd, ["report", "--program", str(path)])
+    assert code == 2
+    _assert_one_clean_line(
+        err, "uses torch.ops.etfold_cli_gone.twice.default, which is not registered"
+    )
+
+
+def test_a_program_that_fails_to_lower(capfd, tmp_path):
+    lib, op = _custom_op_library("etfold_cli_no_out")
+    try:
+        path = _save(tmp_path, CustomOp(op), (torch.randn(2, 3),))
+        code, out, err = _run(capfd, ["report", "--program", str(path), *FAST])
+    finally:
+        lib._destroy()
+    assert code == 1
+    # the progress line is the one stderr line, and it names the op and upstream's message
+    _assert_one_clean_line(err, "FAILED (stock and etfold): RuntimeError: Missing out variants")
+    assert "etfold_cli_no_out::twice" in err[0]
+    assert out.count("FAILED: RuntimeError: Missing out variants") == 2
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--runs", "0"], "argument --runs: expected a whole number of at least 1, got '0'"),
+        (["--runs", "many"], "argument --runs: expected a whole number"),
+        (["--budget", "-1"], "argument --budget: expected a positive number of seconds"),
+        (["--backend", "gpu"], "argument --backend: invalid choice: 'gpu'"),
+        (["--model", "no_such_model"], "unknown model(s): no_such_model"),
+        (["--model", "conv_block", "--program", "x.pt2"], "give --program or --model, not both"),
+    ],
+    ids=["runs-0", "runs-text", "budget", "backend", "unknown-model", "program-and-model"],
+)
+def test_bad_arguments(capfd, argv, fragment):
+    try:
+        code = cli.main(["report", *argv])
+    except SystemExit as exit:  # argparse's own errors leave through SystemExit
+        code = exit.code
+    captured = capfd.readouterr()
+    assert (code, captured.out) == (2, "")
+    _assert_one_clean_line(captured.err.splitlines(), fragment)
+
+
+def test_help_and_list_do_not_import_torch():
+    probe = (
+        "import sys, contextlib, io\n"
+        "from etfold import cli\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    cli.main(['--help'])\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert cli.main(['report', '--list']) == 0\n"
+        "print(sorted(m for m in ('torch', 'executorch', 'numpy') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_list_json(capfd):
+    code, out, err = _run(capfd, ["report", "--list", "--json"])
+    assert code == 0 and err == []
+    rows = json.loads(out)
+    assert {"conv_block", "conv_block_int8"} <= {r["name"] for r in rows}
+    assert all(set(r) == {"name", "backend", "description", "missing_extras"} for r in rows)
+
+
+class FiveWeightNormLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(
+            *(weight_norm(torch.nn.Linear(16, 16), name="weight", dim=0) for _ in range(5))
+        )
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def test_explain_prints_every_decision_for_a_users_program(capfd, tmp_path):
+    torch.manual_seed(0)
+    path = _save(tmp_path, FiveWeightNormLayers().eval(), (torch.randn(2, 16),))
+    code, out, err = _run(capfd, ["report", "--program", str(path), "--explain", *FAST])
+    assert code == 0 and len(err) == 1 and err[0].endswith("ok")
+    decisions = out.split("fold decisions:")[1].splitlines()
+    ours = [line for line in decisions if "[etfold] applied" in line]
+    assert len(ours) >= 5, decisions
+    assert len({line.rsplit("(", 1)[1] for line in ours}) == len(ours)  # each with its node
+    assert not any("--explain lists all" in line for line in decisions)
