@@ -29,6 +29,10 @@ from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 from executorch.exir.backend.compile_spec_schema import CompileSpec
 
 from etfold.backends.xnnpack._passes.dtype_convert_match import CONVERT_TARGET
+from etfold.backends.xnnpack._passes.last_axis_ops_read_nchw import (
+    has_layout_guard,
+    last_axis_ops_read_nchw,
+)
 from etfold.backends.xnnpack._passes.rewrite_dtype_copies_as_converts_pass import (
     RewriteDtypeCopiesAsConvertsPass,
 )
@@ -51,9 +55,12 @@ def _wants_dtype_converts(compile_specs) -> bool:
 
 
 def _marked_preprocess(edge_program, compile_specs):
-    if _wants_dtype_converts(compile_specs):
-        RewriteDtypeCopiesAsConvertsPass()(edge_program.graph_module)
-    return _marked_preprocess.upstream(edge_program, compile_specs)
+    with contextlib.ExitStack() as scope:
+        if has_layout_guard(compile_specs):
+            scope.enter_context(last_axis_ops_read_nchw())
+        if _wants_dtype_converts(compile_specs):
+            RewriteDtypeCopiesAsConvertsPass()(edge_program.graph_module)
+        return _marked_preprocess.upstream(edge_program, compile_specs)
 
 
 def _registry() -> dict:

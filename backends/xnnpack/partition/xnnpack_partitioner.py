@@ -9,6 +9,8 @@ Drop-in: the same constructor arguments as upstream's, plus
 
 from __future__ import annotations
 
+import contextvars
+
 from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
     XnnpackPartitioner as UpstreamXnnpackPartitioner,
@@ -16,12 +18,27 @@ from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
 from executorch.exir.backend.partitioner import DelegationSpec, PartitionResult
 from torch.export import ExportedProgram
 
+from etfold.backends.xnnpack._passes.contiguous_last_axis_inputs_pass import (
+    read_last_axis_normalizations_contiguous,
+)
 from etfold.backends.xnnpack._passes.dtype_convert_match import DtypeConvert, match_dtype_convert
-from etfold.backends.xnnpack._passes.widen_fp16_gelu_pass import widen_fp16_gelu
+from etfold.backends.xnnpack._passes.last_axis_ops_read_nchw import (
+    LAYOUT_GUARD_SPEC,
+    needs_layout_guard,
+)
+from etfold.backends.xnnpack._passes.widen_half_precision_ops_pass import widen_half_precision_ops
 from etfold.backends.xnnpack.install import DTYPE_CONVERTS_SPEC, install
 from etfold.backends.xnnpack.partition.bf16_delegation import bf16_scope
 from etfold.backends.xnnpack.partition.config.convert_config import with_dtype_convert_configs
+from etfold.backends.xnnpack.partition.constant_layout_conflicts import find_layout_conflicts
 from etfold.backends.xnnpack.partition.weight_fold import fold_gemm_weights, seed_slots
+from etfold.decisions import record_declined
+
+LAYOUT_FOLD = "xnnpack.constant_layout"
+# readers kept out of partitions while one generate_partitions call re-draws them
+_KEPT_OUT: contextvars.ContextVar[frozenset | set] = contextvars.ContextVar(
+    "etfold_xnnpack_kept_out", default=frozenset()
+)
 
 
 class XnnpackPartitioner(UpstreamXnnpackPartitioner):
@@ -48,7 +65,8 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
         exported_program = super().transform_for_pre_decomposition(exported_program)
         if self.delegate_dtype_converts:
-            exported_program = widen_fp16_gelu(exported_program)
+            exported_program = widen_half_precision_ops(exported_program)
+        exported_program = read_last_axis_normalizations_contiguous(exported_program)
         if not self.fold_weights:
             return exported_program
         slots = seed_slots(self.target_partitioner_configs.values())
@@ -85,6 +103,48 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
             result = super().partition(exported_program)
         if self.delegate_dtype_converts:
             result = self._mark_convert_partitions(result)
-        return result
+        return self._mark_layout_guard_partitions(result)
+
+    def _mark_layout_guard_partitions(self, result: PartitionResult) -> PartitionResult:
+        """Partitions where a last-axis op may read NHWC data get the layout guard spec."""
+        members: dict[str, list] = {}
+        for node in result.tagged_exported_program.graph.nodes:
+            if "delegation_tag" in node.meta:
+                members.setdefault(node.meta["delegation_tag"], []).append(node)
+        guarded = {tag for tag, nodes in members.items() if needs_layout_guard(nodes)}
+        if not guarded:
+            return result
+        install()  # the guard acts inside etfold's preprocess wrapper
+        partition_tags = {
+            tag: DelegationSpec(spec.backend_id, [*spec.compile_specs, LAYOUT_GUARD_SPEC])
+            if tag in guarded
+            else spec
+            for tag, spec in result.partition_tags.items()
+        }
+        return PartitionResult(result.tagged_exported_program, partition_tags)
 
     # ---- end dtype converts
+
+    # ---- one serialized form per constant and delegate
+    def get_matched_nodes_from_configs(self, ep: ExportedProgram):
+        groups = super().get_matched_nodes_from_configs(ep)
+        kept_out = _KEPT_OUT.get()
+        if not kept_out:
+            return groups
+        return [kept for group in groups if (kept := [n for n in group if n not in kept_out])]
+
+    def generate_partitions(self, ep: ExportedProgram):
+        """Upstream's partitions, re-drawn until no constant needs two forms in one delegate."""
+        kept_out: set = set()
+        token = _KEPT_OUT.set(kept_out)
+        try:
+            while True:
+                partitions = super().generate_partitions(ep)
+                conflicts = find_layout_conflicts(ep, (p.nodes for p in partitions))
+                if not conflicts:
+                    return partitions
+                for conflict in conflicts:
+                    record_declined(LAYOUT_FOLD, conflict.constant.name, conflict.reason)
+                    kept_out.update(conflict.kept_out)
+        finally:
+            _KEPT_OUT.reset(token)

@@ -1,0 +1,110 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Last-axis normalizations read a contiguous copy of a channels-last tensor.
+
+    y = layer_norm(x, [W])                  x channels-last (dim order 0,2,3,1)
+      -> y = to_channels_last(layer_norm(to_contiguous(x), [W]))
+
+ExecuTorch's portable softmax, log_softmax and layer_norm kernels index their
+input as if it were contiguous and do not check its dim order, so a
+channels-last input (a delegate's output after `x.to(memory_format=
+torch.channels_last)`) is normalized over the wrong axis: a wrong program with
+stock ExecuTorch. The copies are exact and XNNPACK delegates them as transposes.
+Runs on the ATen program, before decomposition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+
+from etfold.decisions import Declined, record_applied, record_declined
+
+FOLD = "xnnpack.contiguous_last_axis_input"
+
+aten = torch.ops.aten
+_TO_COPY = aten._to_copy.default
+LAST_AXIS_NORMALIZATIONS = frozenset(
+    {
+        aten.softmax.int,
+        aten._softmax.default,
+        aten.log_softmax.int,
+        aten._log_softmax.default,
+        aten.layer_norm.default,
+    }
+)
+
+
+@dataclass(frozen=True)
+class ChannelsLastNormalization:
+    node: torch.fx.Node
+    source: torch.fx.Node
+    output_channels_last: bool
+
+
+def is_channels_last(value) -> bool:
+    """4-D, laid out channels-last and not also contiguous (a size-1 dim can make it both)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 4
+        and value.is_contiguous(memory_format=torch.channels_last)
+        and not value.is_contiguous()
+    )
+
+
+def match_channels_last_normalization(
+    node: torch.fx.Node,
+) -> ChannelsLastNormalization | Declined | None:
+    if node.op != "call_function" or node.target not in LAST_AXIS_NORMALIZATIONS:
+        return None
+    source = node.args[0]
+    if not isinstance(source, torch.fx.Node) or "val" not in source.meta:
+        return Declined(f"`{node.name}` has no tensor metadata on its input")
+    if not is_channels_last(source.meta["val"]):
+        return None
+    return ChannelsLastNormalization(node, source, is_channels_last(node.meta.get("val")))
+
+
+def _copy(graph: torch.fx.Graph, value: torch.fx.Node, layout) -> torch.fx.Node:
+    copied = graph.call_function(_TO_COPY, (value,), {"memory_format": layout})
+    copied.meta["val"] = _TO_COPY(value.meta["val"], memory_format=layout)
+    return copied
+
+
+def rewrite_channels_last_normalization(match: ChannelsLastNormalization) -> None:
+    node, graph = match.node, match.node.graph
+    with graph.inserting_before(node):
+        node.replace_input_with(match.source, _copy(graph, match.source, torch.contiguous_format))
+    node.meta["val"] = node.meta["val"].contiguous()
+    if match.output_channels_last:
+        with graph.inserting_after(node):
+            restored = _copy(graph, node, torch.channels_last)
+        node.replace_all_uses_with(restored, delete_user_cb=lambda user: user is not restored)
+    record_applied(
+        FOLD,
+        node.name,
+        f"{node.target} reads a contiguous copy of channels-last `{match.source.name}`: "
+        "portable kernels index it as contiguous",
+    )
+
+
+def read_last_axis_normalizations_contiguous(program: ExportedProgram) -> ExportedProgram:
+    """Rewrite every match in place; the same program object comes back."""
+    matches = []
+    for node in program.graph.nodes:
+        match = match_channels_last_normalization(node)
+        if isinstance(match, Declined):
+            record_declined(FOLD, node.name, match.reason)
+        elif match is not None:
+            matches.append(match)
+    for match in matches:
+        rewrite_channels_last_normalization(match)
+    if matches:
+        program.graph_module.recompile()
+    return program

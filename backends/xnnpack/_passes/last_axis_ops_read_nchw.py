@@ -1,0 +1,104 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Ops that reduce over the last logical axis read NCHW data inside a delegate.
+
+    softmax(conv(x), dim=-1)             conv output NHWC inside the delegate
+      -> softmax(to_nchw(conv(x)), dim=-1)
+
+XNNPACK's softmax normalizes the innermost dimension in memory. Upstream's
+`ChannelsLastTaggedReshapePass` keeps a conv's output NHWC through every op it
+does not list as layout-sensitive, softmax included, so a softmax over the last
+logical axis (W) of a conv output normalizes over C instead: a wrong program,
+with stock XNNPACK too. Listing these ops as NCHW-only makes the pass convert
+their input back first; that is exact, and costs one transpose.
+
+Upstream keeps the set on the pass class and builds the pass inside
+`XnnpackBackend.preprocess`, so the set is extended for the duration of one
+preprocess call of a delegate etfold's partitioner marked with `LAYOUT_GUARD_SPEC`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+
+import torch
+from executorch.backends.xnnpack._passes.channels_last_tagged_reshape_pass import (
+    ChannelsLastTaggedReshapePass,
+)
+from executorch.exir.backend.compile_spec_schema import CompileSpec
+from executorch.exir.dialects._ops import ops as exir_ops
+
+LAYOUT_GUARD_SPEC = CompileSpec("etfold.layout_guard", b"1")
+
+LAST_AXIS_OPS = frozenset(
+    {
+        exir_ops.edge.aten._softmax.default,
+        exir_ops.edge.aten._log_softmax.default,
+    }
+)
+
+_guard_lock = threading.Lock()
+_guard_depth = 0
+_upstream_nchw_ops: set | None = None
+
+
+def _is_channels_last(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val")
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 4
+        and value.is_contiguous(memory_format=torch.channels_last)
+        and not value.is_contiguous()
+    )
+
+
+def _may_produce_nhwc(node: torch.fx.Node) -> bool:
+    return (
+        node.target in ChannelsLastTaggedReshapePass.memory_sensitive_ops_nhwc
+        or _is_channels_last(node)
+    )
+
+
+def needs_layout_guard(nodes: Iterable[torch.fx.Node]) -> bool:
+    """A partition holds a last-axis op over a 4-D tensor and something that may be NHWC."""
+    members = set(nodes)
+    reads_4d = any(
+        n.target in LAST_AXIS_OPS and n.args[0].meta["val"].dim() == 4
+        for n in members
+        if n.op == "call_function"
+    )
+    if not reads_4d:
+        return False
+    inputs = {p for n in members for p in n.all_input_nodes if p not in members}
+    return any(_may_produce_nhwc(n) for n in members | inputs)
+
+
+def has_layout_guard(compile_specs) -> bool:
+    return any(spec.key == LAYOUT_GUARD_SPEC.key for spec in compile_specs)
+
+
+@contextlib.contextmanager
+def last_axis_ops_read_nchw() -> Iterator[None]:
+    """Extend upstream's NCHW-only op set for the block (re-entrant, thread-safe)."""
+    global _guard_depth, _upstream_nchw_ops
+    with _guard_lock:
+        if _guard_depth == 0:
+            _upstream_nchw_ops = ChannelsLastTaggedReshapePass.memory_sensitive_ops_nchw
+            ChannelsLastTaggedReshapePass.memory_sensitive_ops_nchw = (
+                _upstream_nchw_ops | LAST_AXIS_OPS
+            )
+        _guard_depth += 1
+    try:
+        yield
+    finally:
+        with _guard_lock:
+            _guard_depth -= 1
+            if _guard_depth == 0:
+                ChannelsLastTaggedReshapePass.memory_sensitive_ops_nchw = _upstream_nchw_ops
+                _upstream_nchw_ops = None

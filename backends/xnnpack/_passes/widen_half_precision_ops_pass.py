@@ -1,0 +1,156 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Compute half-precision ops that have no accurate kernel in fp32, between two converts.
+
+    y = op(x, w, ...)                    x, w, y: float16 or bfloat16
+      -> y = to_half(op(to_fp32(x), to_fp32(w), ...))
+
+for the ops in `WIDENED_OPS`, each with the half dtypes it is widened in and the
+kernel behaviour that puts it there (measured against the fp32 eager result on
+the executorch 1.5.1 runtime, widths 256-1024; PyTorch's own CPU kernels compute
+these ops in fp32 and round once, so the widened form is the function eager
+computes). The converts of activations are delegated as XNNPACK converts; the
+widened op runs in fp32 on XNNPACK when it takes it there, else on portable
+kernels, which are accurate in fp32. Runs on the ATen program, before
+decomposition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+
+from etfold.decisions import Declined, record_applied, record_declined
+
+FOLD = "xnnpack.widen_half_precision_ops"
+
+aten = torch.ops.aten
+_TO_COPY = aten._to_copy.default
+_HALF = frozenset({torch.float16, torch.bfloat16})
+
+
+@dataclass(frozen=True)
+class WideningRule:
+    dtypes: frozenset[torch.dtype]
+    why: str
+
+
+# measured max |error| vs fp32 eager at width 1024 (fp16 / bf16), PyTorch eager in brackets
+_NORM = "portable kernel accumulates in half (layer_norm: 4.0 / 1.6 [0.002 / 0.015])"
+_VAR = "portable kernel accumulates in half (var: 0.014 / 0.22 [0.0004 / 0.003])"
+_CUMSUM = "portable kernel accumulates in half (cumsum: 3.4 / 30 [0.25 / 2.1])"
+
+WIDENED_OPS: dict[torch._ops.OpOverload, WideningRule] = {
+    aten.layer_norm.default: WideningRule(_HALF, _NORM),
+    aten.var.dim: WideningRule(_HALF, _VAR),
+    aten.var.correction: WideningRule(_HALF, _VAR),
+    aten.std.dim: WideningRule(_HALF, _VAR),
+    aten.std.correction: WideningRule(_HALF, _VAR),
+    aten.cumsum.default: WideningRule(_HALF, _CUMSUM),
+    aten.gelu.default: WideningRule(
+        frozenset({torch.float16}), "XNNPACK has no fp16 GELU; upstream leaves it to portable"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class HalfPrecisionOp:
+    node: torch.fx.Node
+    dtype: torch.dtype
+    widened: tuple[torch.fx.Node, ...]  # the tensor arguments in `dtype`, converted to fp32
+    rule: WideningRule
+
+
+def _tensor_meta(value) -> torch.Tensor | None:
+    meta = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+    return meta if isinstance(meta, torch.Tensor) else None
+
+
+def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
+
+
+def has_tensor_metadata(node: torch.fx.Node) -> bool:
+    return _tensor_meta(node) is not None and all(
+        _tensor_meta(a) is not None for a in _tensor_args(node)
+    )
+
+
+def computes_in(node: torch.fx.Node, dtype: torch.dtype) -> bool:
+    """The op's output has its input's half dtype (no dtype= argument widens it already)."""
+    return _tensor_meta(node).dtype is dtype
+
+
+def other_tensors_are_half_or_fp32(node: torch.fx.Node, dtype: torch.dtype) -> bool:
+    return all(_tensor_meta(a).dtype in (dtype, torch.float32) for a in _tensor_args(node))
+
+
+def match_half_precision_op(node: torch.fx.Node) -> HalfPrecisionOp | Declined | None:
+    """None for ops outside the table or not in a widened dtype (nothing worth recording)."""
+    rule = WIDENED_OPS.get(node.target) if node.op == "call_function" else None
+    source = _tensor_meta(node.args[0]) if rule is not None and node.args else None
+    if rule is None or (source is not None and source.dtype not in rule.dtypes):
+        return None
+    if not has_tensor_metadata(node):
+        return Declined("the op or one of its tensor arguments has no tensor metadata")
+    dtype = source.dtype
+    if not computes_in(node, dtype):
+        return Declined(
+            f"the op already returns {_tensor_meta(node).dtype}, not its input's {dtype}"
+        )
+    if not other_tensors_are_half_or_fp32(node, dtype):
+        return Declined(f"a tensor argument is neither {dtype} nor float32")
+    half_args = tuple(
+        dict.fromkeys(a for a in _tensor_args(node) if _tensor_meta(a).dtype is dtype)
+    )
+    return HalfPrecisionOp(node, dtype, half_args, rule)
+
+
+def _to(graph: torch.fx.Graph, value: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+    converted = graph.call_function(_TO_COPY, (value,), {"dtype": dtype})
+    converted.meta["val"] = _TO_COPY(value.meta["val"], dtype=dtype)
+    return converted
+
+
+def _fake(value):
+    return value.meta["val"] if isinstance(value, torch.fx.Node) else value
+
+
+def rewrite_half_precision_op(match: HalfPrecisionOp) -> None:
+    node, graph = match.node, match.node.graph
+    with graph.inserting_before(node):
+        for source in match.widened:
+            node.replace_input_with(source, _to(graph, source, torch.float32))
+    args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _fake)
+    node.meta["val"] = node.target(*args, **kwargs)
+    with graph.inserting_after(node):
+        narrowed = _to(graph, node, match.dtype)
+    node.replace_all_uses_with(narrowed, delete_user_cb=lambda user: user is not narrowed)
+    record_applied(
+        FOLD,
+        node.name,
+        f"{node.target} in {match.dtype} computed in float32 between two converts: "
+        f"{match.rule.why}",
+    )
+
+
+def widen_half_precision_ops(program: ExportedProgram) -> ExportedProgram:
+    """Rewrite every matched op in place; the same program object comes back."""
+    matches = []
+    for node in program.graph.nodes:
+        match = match_half_precision_op(node)
+        if isinstance(match, Declined):
+            record_declined(FOLD, node.name, match.reason)
+        elif match is not None:
+            matches.append(match)
+    for match in matches:
+        rewrite_half_precision_op(match)
+    if matches:
+        program.graph_module.recompile()
+    return program

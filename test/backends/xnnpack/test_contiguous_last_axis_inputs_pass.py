@@ -1,0 +1,98 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Softmax, log_softmax and layer_norm of a channels-last tensor read a contiguous copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from etfold.backends.xnnpack import XnnpackPartitioner
+from etfold.backends.xnnpack._passes.contiguous_last_axis_inputs_pass import (
+    FOLD,
+    is_channels_last,
+    match_channels_last_normalization,
+    read_last_axis_normalizations_contiguous,
+)
+from etfold.decisions import Declined, collect_decisions
+from etfold.exir import to_edge_transform_and_lower as etfold_lower
+from etfold.harness.xnnpack_runner import lower_module_xnnpack, max_abs_error
+
+OPS = {
+    "softmax": lambda h: torch.softmax(h, -1),
+    "log_softmax": lambda h: torch.log_softmax(h, -1),
+    "layer_norm": lambda h: F.layer_norm(h, h.shape[-1:]),
+    "layer_norm_hw": lambda h: F.layer_norm(h, h.shape[-2:]),
+}
+
+
+class ChannelsLastConvThen(torch.nn.Module):
+    def __init__(self, op: str, channels_last: bool = True):
+        super().__init__()
+        self.op, self.channels_last = op, channels_last
+        self.conv = torch.nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        return OPS[self.op](self.conv(x.to(memory_format=layout)))
+
+
+def _copies(program) -> int:
+    return sum(n.target == torch.ops.aten._to_copy.default for n in program.graph.nodes)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_normalization_of_channels_last_delegate_output_is_right(op):
+    torch.manual_seed(0)
+    x = torch.randn(1, 4, 5, 6)
+    with collect_decisions() as decisions:
+        program, reference = lower_module_xnnpack(
+            ChannelsLastConvThen(op).eval(), (x,), [XnnpackPartitioner()], lower=etfold_lower
+        )
+    assert max_abs_error(program.run(x), reference) <= 1e-5
+    assert [d for d in decisions if d.fold == FOLD and d.applied]
+
+
+def test_rewrite_inserts_a_copy_in_and_restores_the_layout_out():
+    program = torch.export.export(
+        ChannelsLastConvThen("layer_norm").eval(), (torch.randn(1, 4, 5, 6),)
+    )
+    before = _copies(program)
+    norm = next(n for n in program.graph.nodes if n.target == torch.ops.aten.layer_norm.default)
+    restores = is_channels_last(norm.meta["val"])
+    read_last_axis_normalizations_contiguous(program)
+    assert norm.args[0].target == torch.ops.aten._to_copy.default
+    assert norm.args[0].kwargs["memory_format"] == torch.contiguous_format
+    assert _copies(program) == before + 1 + restores  # into contiguous, back where eager is
+    assert match_channels_last_normalization(norm) is None  # idempotent
+
+
+def test_leaves_contiguous_inputs_alone():
+    program = torch.export.export(
+        ChannelsLastConvThen("softmax", channels_last=False).eval(), (torch.randn(1, 4, 5, 6),)
+    )
+    code = program.graph_module.code
+    with collect_decisions() as decisions:
+        read_last_axis_normalizations_contiguous(program)
+    assert program.graph_module.code == code and not decisions
+
+
+def test_declines_when_input_has_no_metadata():
+    program = torch.export.export(
+        ChannelsLastConvThen("softmax").eval(), (torch.randn(1, 4, 5, 6),)
+    )
+    softmax = next(n for n in program.graph.nodes if "softmax" in str(n.target))
+    del softmax.args[0].meta["val"]
+    code = program.graph_module.code
+    with collect_decisions() as decisions:
+        read_last_axis_normalizations_contiguous(program)
+    assert isinstance(match_channels_last_normalization(softmax), Declined)
+    assert program.graph_module.code == code
+    assert [d.detail for d in decisions if d.fold == FOLD and not d.applied] == [
+        f"`{softmax.name}` has no tensor metadata on its input"
+    ]
