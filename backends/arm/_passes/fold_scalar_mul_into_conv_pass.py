@@ -1,12 +1,18 @@
-"""Fold a constant scale after a convolution into the convolution's weight and bias.
+"""Fold a constant scale after a convolution or linear layer into its weight and bias.
 
-    conv(x, W, b) * s     (s: a number, a scalar tensor constant, or a constant
-    s * conv(x, W, b)      broadcast over the conv output along channels only)
-      -> conv(x, W', b * s)
+    L(layer(x, W, b)) * s     (s: a number, a scalar tensor constant, or a constant
+    s * L(layer(x, W, b))      broadcast along the layer's output channels only)
+      -> L(layer(x, W', b * s))
 
-    W' = W * s[:, None, ...]                      ordinary and grouped convs (out-channels lead W)
+    W' = W * s[:, None, ...]                      linear, ordinary and grouped convs (out-channels lead W)
     W' = W.view(g, Cin/g, Cout/g, ...) * s.view(g, 1, Cout/g, 1, ...)
                                                    transposed convs (W is [Cin, Cout/g, ...])
+
+L is what sits between a layer and its scale in real blocks (ConvNeXt's and
+ViT's LayerScale): layout ops (permute, transpose, view/reshape) that keep the
+channel axis whole, and ops that are the identity at inference (eval or p=0
+dropout, clone, alias). Each moves the channel axis but never mixes channels,
+so the scale commutes with it.
 
 Exact in real arithmetic; in fp32 each folded weight is rounded once, as is each
 product in the unfolded graph. Runs before calibration in the annotation
@@ -54,6 +60,13 @@ SCALE_NOT_CONSTANT = "scale is not a constant"
 SCALE_NOT_FINITE = "scale is not finite (NaN or Inf)"
 SCALE_NOT_CHANNELWISE = "scale broadcasts along a non-channel dimension"
 CHANGES_OUTPUT = "mul changes the conv output's shape or dtype"
+CHANNELS_MIXED = (
+    "the layout between the layer and the multiply does not keep the channel axis whole"
+)
+NOT_QUANTIZED_LAYER = (
+    "{op} is not annotated by the Arm quantizer (it has no int8 pattern, so it stays "
+    "outside the delegate in float): there is no quantized layer to fold into"
+)
 
 _MULS = {
     torch.ops.aten.mul.Tensor,
@@ -95,12 +108,42 @@ _CONVS: dict[object, ConvSignature] = {
     torch.ops.aten.convolution.default: _CONVOLUTION,
     exir_ops.edge.aten.convolution.default: _CONVOLUTION,
 }
+_LINEAR = ConvSignature(groups_index=-1)
+_LAYERS: dict[object, ConvSignature] = {
+    **_CONVS,
+    torch.ops.aten.linear.default: _LINEAR,
+    exir_ops.edge.aten.linear.default: _LINEAR,
+}
+
+_aten = torch.ops.aten
+_PERMUTES = {
+    _aten.permute.default,
+    _aten.permute_copy.default,
+    exir_ops.edge.aten.permute_copy.default,
+}
+_TRANSPOSES = {_aten.transpose.int, _aten.transpose_copy.int, _aten.t.default}
+_VIEWS = {
+    _aten.view.default,
+    _aten.reshape.default,
+    _aten._unsafe_view.default,
+    _aten.view_copy.default,
+    exir_ops.edge.aten.view_copy.default,
+}
+_IDENTITIES = {
+    _aten.clone.default,
+    _aten.alias.default,
+    _aten.detach.default,
+    exir_ops.edge.aten.clone.default,
+    exir_ops.edge.aten.alias_copy.default,
+}
+_DROPOUTS = {_aten.dropout.default, _aten.feature_dropout.default}
 
 
 @dataclass(frozen=True)
 class ConvScaleMatch:
     mul: Node
-    conv: Node
+    conv: Node  # the layer: a convolution or a linear
+    chain: tuple[Node, ...]  # layout / inference no-ops from the layer to the mul, layer side first
     weight: Node
     bias: Node | None
     scale_node: Node | None  # the scale's constant node, if it has one
@@ -132,19 +175,86 @@ def _out_channels(weight: torch.Tensor, transposed: bool, groups: int) -> int:
     return int(weight.shape[1]) * groups if transposed else int(weight.shape[0])
 
 
+def _static_shape(node: object) -> tuple[int, ...] | None:
+    value = node.meta.get("val") if isinstance(node, Node) else None
+    if not isinstance(value, torch.Tensor) or not all(type(d) is int for d in value.shape):
+        return None
+    return tuple(value.shape)
+
+
+def _is_inference_noop(node: Node) -> bool:
+    if node.target in _IDENTITIES:
+        return True
+    if node.target in _DROPOUTS:
+        p, train = _arg(node, 1, "p", 0.5), _arg(node, 2, "train", True)
+        return train is False or p == 0
+    return False
+
+
+def is_transparent(node: object) -> bool:
+    """A layout op or an inference no-op: it reorders or passes values, never mixes them."""
+    if not isinstance(node, Node) or node.op != "call_function" or not node.args:
+        return False
+    if not isinstance(node.args[0], Node):
+        return False
+    layout = node.target in _PERMUTES or node.target in _TRANSPOSES or node.target in _VIEWS
+    return layout or _is_inference_noop(node)
+
+
+def _axis_through_view(source: tuple[int, ...], result: tuple[int, ...], axis: int) -> int | None:
+    """Where `axis` of `source` lands in `result` when it stays whole: the same
+    number of elements before it, and its own size, in both shapes."""
+    before = 1
+    for size in source[:axis]:
+        before *= size
+    seen = 1
+    for index, size in enumerate(result):
+        if seen == before and size == source[axis]:
+            return index
+        seen *= size
+    return None
+
+
+def channel_axis_after(node: Node, axis: int) -> int | None:
+    """The channel axis of `node`'s output, given it is `axis` of its input; None if mixed."""
+    source, result = _static_shape(node.args[0]), _static_shape(node)
+    if source is None or result is None:
+        return None
+    if node.target in _PERMUTES:
+        order = [d % len(source) for d in node.args[1]]
+        return order.index(axis)
+    if node.target in _TRANSPOSES:
+        if node.target == _aten.t.default:
+            dims = (0, 1) if len(source) == 2 else (0, 0)
+        else:
+            dims = (int(node.args[1]) % len(source), int(node.args[2]) % len(source))
+        return dims[1] if axis == dims[0] else dims[0] if axis == dims[1] else axis
+    if node.target in _VIEWS:
+        return _axis_through_view(source, result, axis)
+    return axis if source == result else None
+
+
 # ---- predicates: one per precondition ---------------------------------------
+
+
+def _op_name(node: Node) -> str:
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
 
 
 def is_allowed(pass_: ArmPass, *nodes: Node) -> bool:
     return all(pass_.allowed_to_transform(n.meta) for n in nodes)
 
 
-def reaches_carried_state(conv: Node, mul: Node, region: frozenset[Node]) -> bool:
-    return conv in region or mul in region
+def reaches_carried_state(conv: Node, mul: Node, region: frozenset[Node], chain=()) -> bool:
+    return conv in region or mul in region or any(n in region for n in chain)
 
 
-def has_single_user(conv: Node, mul: Node) -> bool:
-    return len(conv.users) == 1 and mul in conv.users
+def has_single_user(conv: Node, mul: Node, chain: tuple[Node, ...] = ()) -> bool:
+    readers = [*chain, mul]
+    return all(
+        len(node.users) == 1 and reader in node.users
+        for node, reader in zip([conv, *chain], readers, strict=True)
+    )
 
 
 def has_shape_metadata(*nodes: Node) -> bool:
@@ -169,12 +279,15 @@ def is_finite(scale: torch.Tensor) -> bool:
 
 
 def varies_only_along_channels(
-    scale: torch.Tensor, output_shape: torch.Size, out_channels: int
+    scale: torch.Tensor, output_shape: torch.Size, out_channels: int, channel_axis: int = 1
 ) -> bool:
     if scale.dim() > len(output_shape) or len(output_shape) < 2:
         return False
     padded = (1,) * (len(output_shape) - scale.dim()) + tuple(scale.shape)
-    return all(size == 1 or (dim == 1 and size == out_channels) for dim, size in enumerate(padded))
+    return all(
+        size == 1 or (dim == channel_axis and size == out_channels)
+        for dim, size in enumerate(padded)
+    )
 
 
 def keeps_conv_output(conv: Node, mul: Node) -> bool:
@@ -182,20 +295,45 @@ def keeps_conv_output(conv: Node, mul: Node) -> bool:
     return conv_val.shape == mul_val.shape and conv_val.dtype == mul_val.dtype
 
 
+def channel_axis_at(conv: Node, chain: tuple[Node, ...]) -> int | None:
+    """The layer's output-channel axis as the multiply sees it, or None if the chain mixes it."""
+    axis: int | None = conv.meta["val"].dim() - 1 if _LAYERS[conv.target] is _LINEAR else 1
+    for node in chain:
+        axis = channel_axis_after(node, axis)
+        if axis is None:
+            return None
+    return axis
+
+
 # ---- the pass ----------------------------------------------------------------
 
 
-def conv_operand(mul: Node) -> tuple[Node, object] | None:
-    """(conv, scale) when one operand of `mul` is a convolution."""
+def layer_operand(mul: Node) -> tuple[Node, tuple[Node, ...], object] | None:
+    """(layer, chain, scale) when one operand of `mul` is a conv or linear, directly or
+    through transparent nodes (the chain, layer side first)."""
     for position in (0, 1):
         operand = mul.args[position] if len(mul.args) > position else None
-        if isinstance(operand, Node) and operand.op == "call_function" and operand.target in _CONVS:
-            return operand, mul.args[1 - position]
+        chain: list[Node] = []
+        while is_transparent(operand):
+            chain.append(operand)
+            operand = operand.args[0]
+        if (
+            isinstance(operand, Node)
+            and operand.op == "call_function"
+            and operand.target in _LAYERS
+        ):
+            return operand, tuple(reversed(chain)), mul.args[1 - position]
     return None
 
 
+def conv_operand(mul: Node) -> tuple[Node, object] | None:
+    """(layer, scale) when one operand of `mul` reaches a conv or linear (see layer_operand)."""
+    found = layer_operand(mul)
+    return None if found is None else (found[0], found[2])
+
+
 class FoldScalarMulIntoConvPass(ArmPass):
-    """conv(x, W, b) * s -> conv(x, W * s, b * s), s constant along out-channels (see module doc)."""
+    """L(layer(x, W, b)) * s -> L(layer(x, W * s, b * s)), s constant along out-channels (see module doc)."""
 
     _passes_required_after: set[type[ExportPass]] = set()
 
@@ -223,20 +361,23 @@ class FoldScalarMulIntoConvPass(ArmPass):
     def match(
         self, mul: Node, region: frozenset[Node], program: ExportedProgram | None
     ) -> ConvScaleMatch | Declined | None:
-        """The fold for `mul`, a Declined with the reason, or None when `mul` is not conv × something."""
-        operands = conv_operand(mul)
+        """The fold for `mul`, a Declined with the reason, or None when `mul` is not layer × something."""
+        operands = layer_operand(mul)
         if operands is None:
             return None
-        conv, scale = operands
-        signature = _CONVS[conv.target]
+        conv, chain, scale = operands
+        signature = _LAYERS[conv.target]
 
-        if not is_allowed(self, conv, mul):
+        if not is_allowed(self, conv):
+            return Declined(NOT_QUANTIZED_LAYER.format(op=_op_name(conv)))
+        if not is_allowed(self, mul):
             return Declined(DISALLOWED)
-        if reaches_carried_state(conv, mul, region):
+        if reaches_carried_state(conv, mul, region, chain):
             return Declined(CARRIED_STATE)
-        if not has_single_user(conv, mul):
+        if not has_single_user(conv, mul, chain):
             return Declined(SEVERAL_USERS)
-        if not has_shape_metadata(conv, mul):
+        operand = chain[-1] if chain else conv
+        if not has_shape_metadata(conv, mul, *chain):
             return Declined(NO_SHAPE)
 
         weight = _arg(conv, 1, "weight")
@@ -258,12 +399,15 @@ class FoldScalarMulIntoConvPass(ArmPass):
         if not is_finite(scale_tensor):
             return Declined(SCALE_NOT_FINITE)
         transposed = signature.is_transposed(conv)
-        groups = int(_arg(conv, signature.groups_index, "groups", 1))
+        groups = 1 if signature is _LINEAR else int(_arg(conv, signature.groups_index, "groups", 1))
         out_channels = _out_channels(weight_tensor, transposed, groups)
-        output_shape = conv.meta["val"].shape
-        if not varies_only_along_channels(scale_tensor, output_shape, out_channels):
+        channel_axis = channel_axis_at(conv, chain)
+        if channel_axis is None:
+            return Declined(CHANNELS_MIXED)
+        output_shape = operand.meta["val"].shape
+        if not varies_only_along_channels(scale_tensor, output_shape, out_channels, channel_axis):
             return Declined(SCALE_NOT_CHANNELWISE)
-        if not keeps_conv_output(conv, mul):
+        if not keeps_conv_output(operand, mul):
             return Declined(CHANGES_OUTPUT)
 
         channel_scale = (
@@ -272,6 +416,7 @@ class FoldScalarMulIntoConvPass(ArmPass):
         return ConvScaleMatch(
             mul=mul,
             conv=conv,
+            chain=chain,
             weight=weight,
             bias=bias,
             scale_node=scale if isinstance(scale, Node) else None,
@@ -309,7 +454,7 @@ class FoldScalarMulIntoConvPass(ArmPass):
             )
             _with_arg(m.conv, BIAS_INDEX, "bias", new_bias)
 
-        m.mul.replace_all_uses_with(m.conv)
+        m.mul.replace_all_uses_with(m.chain[-1] if m.chain else m.conv)
         graph_module.graph.erase_node(m.mul)
         for source in (m.weight, m.bias, m.scale_node):
             if source is not None:
@@ -329,7 +474,7 @@ class FoldScalarMulIntoConvPass(ArmPass):
             found = self.match(mul, region, program)
             if found is None:
                 continue
-            where = f"{pipeline}:{conv_operand(mul)[0].name}"
+            where = f"{pipeline}:{layer_operand(mul)[0].name}"
             if isinstance(found, Declined):
                 record_declined(FOLD, where, found.reason)
                 continue
