@@ -18,6 +18,8 @@ materializes take no more bytes than the sources it erases.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -140,6 +142,7 @@ class FoldGroup:
     added_bytes: int
     erased_bytes: int
     reads_buffers: bool
+    must_fold: tuple[str, ...] = ()  # ops no backend lowers: folded whatever the size
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,35 @@ def custom_meta_agrees(sources: Iterable[torch.fx.Node]) -> bool:
 
 def fits_size_budget(added_bytes: int, erased_bytes: int) -> bool:
     return added_bytes <= erased_bytes
+
+
+_EXPORT_CHECKS = frozenset({aten._assert_tensor_metadata.default, aten._assert_scalar.default})
+
+
+def is_export_check(node: torch.fx.Node) -> bool:
+    """An assertion export left on a value's metadata: decided once the value is a constant."""
+    return node.op == "call_function" and node.target in _EXPORT_CHECKS
+
+
+def lowers_nowhere(node: torch.fx.Node) -> bool:
+    """An ATen op outside the core opset that export neither decomposes nor inlines.
+
+    Left in the graph it fails Edge verification, so no backend or portable
+    kernel ever runs it: folding is the only way its program lowers.
+    """
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return False
+    if torch.Tag.core in target.tags or target in _default_decompositions():
+        return False
+    return not torch._C._dispatch_has_kernel_for_dispatch_key(
+        target.name(), "CompositeImplicitAutograd"
+    )
+
+
+@functools.cache
+def _default_decompositions() -> frozenset:
+    return frozenset(torch.export.default_decompositions())
 
 
 # ---------------------------------------------------------------- match
@@ -378,13 +410,17 @@ def _placeholders_under(node: torch.fx.Node) -> set[torch.fx.Node]:
     return found
 
 
+def _read_outside(node: torch.fx.Node, inside: frozenset | set) -> bool:
+    return any(u not in inside and not is_export_check(u) for u in node.users)
+
+
 def _measure_group(closures: list[Closure], known: dict) -> FoldGroup | Declined:
     nodes = frozenset().union(*(c.nodes for c in closures))
     # a multi-output op folds with every projection, read by the seed or not
     nodes |= {u for n in nodes for u in n.users if u.target is operator.getitem}
     sources = frozenset().union(*(c.sources for c in closures))
     # a non-tensor result read outside the fold stays an op, and so does what it reads
-    kept = {n for n in nodes if not _is_tensor_value(n) and any(u not in nodes for u in n.users)}
+    kept = {n for n in nodes if not _is_tensor_value(n) and _read_outside(n, nodes)}
     stack = list(kept)
     while stack:
         for producer in stack.pop().all_input_nodes:
@@ -393,7 +429,7 @@ def _measure_group(closures: list[Closure], known: dict) -> FoldGroup | Declined
                 stack.append(producer)
     added, stored = 0, set()
     for node in sorted(nodes - kept, key=lambda n: n.name):
-        if any(u not in nodes or u in kept for u in node.users):
+        if _read_outside(node, nodes - kept):
             size = _value_bytes(node)
             if size is None:
                 return Declined(f"`{node.name}` has no known tensor size")
@@ -403,7 +439,7 @@ def _measure_group(closures: list[Closure], known: dict) -> FoldGroup | Declined
                 added += size
     erased = 0
     for source in sources:
-        if all(u in nodes and u not in kept for u in source.users):
+        if not _read_outside(source, nodes - kept):
             erased += _value_bytes(source) or 0
     return FoldGroup(
         tuple(closures),
@@ -412,6 +448,10 @@ def _measure_group(closures: list[Closure], known: dict) -> FoldGroup | Declined
         erased,
         reads_buffers=any(BUFFER_FOLD_BLOCKERS in s.meta for s in sources),
     )
+
+
+def _unlowerable_ops(group: FoldGroup) -> tuple[str, ...]:
+    return tuple(sorted({str(n.target) for n in group.nodes if lowers_nowhere(n)}))
 
 
 def plan_weight_folds(program: ExportedProgram, slots: dict) -> WeightFoldPlan:
@@ -438,7 +478,10 @@ def plan_weight_folds(program: ExportedProgram, slots: dict) -> WeightFoldPlan:
     groups: list[FoldGroup] = []
     for members in _group_closures(closures):
         group = _measure_group(members, known)
-        if isinstance(group, FoldGroup) and not fits_size_budget(
+        unlowerable = _unlowerable_ops(group) if isinstance(group, FoldGroup) else []
+        if unlowerable:
+            group = dataclasses.replace(group, must_fold=unlowerable)
+        elif isinstance(group, FoldGroup) and not fits_size_budget(
             group.added_bytes, group.erased_bytes
         ):
             group = Declined(
@@ -479,16 +522,30 @@ def _record(plan: WeightFoldPlan) -> None:
     for group in plan.groups:
         for closure in group.closures:
             sources = ", ".join(sorted(s.name for s in closure.sources)) or "no placeholder"
+            why = (
+                f"; holds {', '.join(group.must_fold)}, which no backend or portable kernel lowers"
+                if group.must_fold
+                else ""
+            )
             record_applied(
                 FOLD,
                 closure.seed.where,
                 f"{len(closure.nodes)} ops over {sources} folded "
-                f"(group adds {group.added_bytes} B, erases {group.erased_bytes} B)",
+                f"(group adds {group.added_bytes} B, erases {group.erased_bytes} B{why})",
             )
+
+
+def _drop_checks_on(nodes: frozenset[torch.fx.Node]) -> None:
+    """Export's metadata assertions on values about to become constants hold by construction."""
+    checks = {u for n in nodes for u in n.users if is_export_check(u)}
+    for check in checks:
+        if all(p in nodes for p in check.all_input_nodes):
+            check.graph.erase_node(check)
 
 
 def apply_weight_folds(program: ExportedProgram, plan: WeightFoldPlan) -> ExportedProgram:
     """Rewrite: hand exactly the planned nodes to etfold's constant_prop_pass."""
+    _drop_checks_on(plan.nodes_to_fold)
     return constant_prop_pass(
         program,
         nodes_to_fold=set(plan.nodes_to_fold),
