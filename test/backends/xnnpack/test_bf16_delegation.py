@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
     XnnpackPartitioner as UpstreamXnnpackPartitioner,
 )
 
 from etfold.backends.xnnpack import XnnpackPartitioner
-from etfold.backends.xnnpack.partition.bf16_delegation import FOLD, match_enable_bf16
+from etfold.backends.xnnpack.partition.bf16_delegation import FOLD, bf16_setting, match_enable_bf16
 from etfold.decisions import Declined, collect_decisions
 from etfold.exir import to_edge_transform_and_lower
 from etfold.harness.xnnpack_runner import assert_close, lower_module_xnnpack, lower_xnnpack
@@ -117,3 +118,40 @@ def test_no_warning_when_enable_bf16_false_leaves_no_gemm_behind(caplog):
     with caplog.at_level(logging.WARNING, logger="etfold"):
         _, _, decisions = _lower(Bf16Relu(), (x,), XnnpackPartitioner(enable_bf16=False))
     assert decisions == [] and not caplog.records
+
+
+class Bf16ConvHead(torch.nn.Module):
+    """A conv XNNPACK cannot compile in bf16, then a linear it can."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 8, 3, padding=1)
+        self.head = torch.nn.Linear(8 * 8 * 8, 8)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.conv(x)).flatten(1))
+
+
+@pytest.mark.parametrize("enable_bf16", [None, True], ids=["unset", "user_true"])
+def test_declines_bf16_ops_xnnpack_cannot_compile_and_the_program_loads(enable_bf16, caplog):
+    torch.manual_seed(0)
+    module = Bf16ConvHead().to(torch.bfloat16).eval()
+    inputs = (torch.randn(1, 4, 8, 8).to(torch.bfloat16),)
+    kwargs = {} if enable_bf16 is None else {"enable_bf16": enable_bf16}
+    with caplog.at_level(logging.WARNING, logger="etfold"):
+        program, expected, decisions = _lower(module, inputs, XnnpackPartitioner(**kwargs))
+    assert program.ops_outside()["aten.convolution.default"] == 1
+    assert _gemms_outside(program) == 0  # the linear is delegated
+    (declined,) = [d for d in decisions if not d.applied]
+    assert declined.detail == (
+        "XNNPACK in executorch 1.5.1 cannot compile a bf16 convolution; it runs on portable kernels"
+    )
+    assert any(r.levelno == logging.WARNING for r in caplog.records)
+    assert_close(program.run(*inputs), expected, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("op", ["convolution.default", "bmm.default", "_softmax.default"])
+def test_no_config_is_enabled_where_the_kernel_fails(op):
+    assert not bf16_setting(op, None) and not bf16_setting(op, True)
+    assert bf16_setting("linear.default", None) and bf16_setting("linear.default", True)
+    assert not bf16_setting("clone.default", None) and bf16_setting("clone.default", True)
