@@ -33,6 +33,7 @@ from etfold.backends.xnnpack.partition.config.convert_config import with_dtype_c
 from etfold.backends.xnnpack.partition.constant_layout_conflicts import find_layout_conflicts
 from etfold.backends.xnnpack.partition.weight_fold import fold_gemm_weights, seed_slots
 from etfold.decisions import record_declined
+from etfold.exir.passes.inline_autocast_regions_pass import inline_autocast_regions
 
 LAYOUT_FOLD = "xnnpack.constant_layout"
 # readers kept out of partitions while one generate_partitions call re-draws them
@@ -64,6 +65,8 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
     # ---- weight fold (issue 4): parameter-only GEMM weights become static before partitioning
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
         exported_program = super().transform_for_pre_decomposition(exported_program)
+        if self.fold_weights or self.delegate_dtype_converts:
+            exported_program = inline_autocast_regions(exported_program)
         if self.delegate_dtype_converts:
             exported_program = widen_half_precision_ops(exported_program)
         exported_program = read_last_axis_normalizations_contiguous(exported_program)
