@@ -245,9 +245,13 @@ def _models_to_run(args, progress: TextIO) -> list:
     if args.program:
         if args.model:
             raise _UsageError("give --program or --model, not both")
+        backend = args.backend or "xnnpack"
+        entry = demo_models.CatalogueEntry(args.program, backend, "", "")
+        if entry.missing_extras():
+            raise _UsageError(f"--backend {backend} needs {_extras_text(entry.missing_extras())}")
         with _chatter_captured(not args.verbose):
             report.load_user_program(args.program)  # bad input fails here, before any lowering
-        return [report.user_program(args.program, args.backend or "xnnpack")]
+        return [report.user_program(args.program, backend)]
     entries = _skip_unavailable(_select(args, demo_models.catalogue()), progress)
     with _chatter_captured(not args.verbose):
         return demo_models.load(entries)

@@ -16,6 +16,11 @@ until `budget_s` is spent and at least `min_rounds` are taken.
 
 The ratio of two callables is taken per round (b_i / a_i), so its spread is
 the spread of paired measurements; two identical programs read ~1.00x.
+
+A name may map to several callables: instances of the same program (loaded
+several times). Round r uses instance r mod n. Two loads of one program can
+differ by a few percent for as long as they live (where their buffers landed);
+rotating instances puts that into the spread instead of into the median.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import gc
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -64,6 +69,13 @@ class InterleavedTiming:
     inner: int  # calls per sample
 
 
+Runs = Mapping[str, Callable[[], object] | Sequence[Callable[[], object]]]
+
+
+def _instances(runs: Runs) -> dict[str, list[Callable[[], object]]]:
+    return {name: [r] if callable(r) else list(r) for name, r in runs.items()}
+
+
 def _calls_per_sample(runs: Mapping[str, Callable[[], object]], sample_s: float) -> int:
     """Calls per round so that the slowest callable spends about `sample_s` in a round."""
     slowest = 0.0
@@ -93,7 +105,7 @@ def _one_round(runs: Mapping[str, Callable[[], object]], names: list[str], inner
 
 
 def time_interleaved(
-    runs: Mapping[str, Callable[[], object]],
+    runs: Runs,
     *,
     budget_s: float = 1.0,
     min_rounds: int = 10,
@@ -103,11 +115,13 @@ def time_interleaved(
     """Per-call times of each callable and the per-round ratio of each pair (later / earlier)."""
     if min_rounds < 1:
         raise ValueError("min_rounds must be at least 1")
-    names = list(runs)
+    instances = _instances(runs)
+    names = list(instances)
     for _ in range(warmup):
         for name in names:
-            runs[name]()
-    inner = _calls_per_sample(runs, sample_s)
+            for run in instances[name]:
+                run()
+    inner = _calls_per_sample({name: i[0] for name, i in instances.items()}, sample_s)
     samples: dict[str, list[float]] = {name: [] for name in names}
     gc_was_enabled = gc.isenabled()
     gc.disable()
@@ -115,7 +129,8 @@ def time_interleaved(
         deadline = time.perf_counter() + budget_s
         rounds = 0
         while rounds < min_rounds or time.perf_counter() < deadline:
-            medians = _one_round(runs, names, inner)
+            chosen = {name: i[rounds % len(i)] for name, i in instances.items()}
+            medians = _one_round(chosen, names, inner)
             for name in names:
                 samples[name].append(medians[name] * 1e3)
             rounds += 1
