@@ -107,3 +107,46 @@ def test_report_accepts_a_users_exported_program(tmp_path, capsys):
 def test_unknown_model_is_a_clear_error(capsys):
     assert cli.main(["report", "--model", "no_such_model"]) == 2
     assert "unknown model(s): no_such_model" in capsys.readouterr().err
+
+
+def test_interleaved_timing_rotates_instances_and_pairs_every_round():
+    from collections import Counter
+
+    from etfold.harness.timing import time_interleaved
+
+    calls = Counter()
+
+    def instance(name):
+        return lambda: calls.update([name])
+
+    timing = time_interleaved(
+        {"a": [instance("a0"), instance("a1")], "b": instance("b")},
+        budget_s=0.0,
+        min_rounds=6,
+        warmup=1,
+        sample_s=0.0,  # one call per round
+    )
+    assert timing.rounds == 6 and timing.inner == 1
+    # warm-up touches every instance, then rounds alternate a0, a1; b runs every round
+    # (the call-count estimate for `inner` runs each name's first instance five times)
+    assert calls == {"a0": 1 + 5 + 3, "a1": 1 + 3, "b": 1 + 5 + 6}
+    assert set(timing.ratios) == {("a", "b")} and timing.ratios["a", "b"].samples == 6
+    for spread in (*timing.milliseconds.values(), *timing.ratios.values()):
+        assert spread.p10 <= spread.median <= spread.p90
+
+
+def test_stock_row_counts_upstreams_own_fold_and_the_decline_is_explained():
+    (cell,) = demo_models.load(
+        [e for e in demo_models.catalogue() if e.name == "recurrent_conv_cell_int8"]
+    )
+    stock, ours = report.evaluate(cell, npu=False)
+    assert stock.failure is None and ours.failure is None
+    # upstream's unguarded fold folded conv * 0.25 into the conv feeding the state
+    assert [(r["fold"], r["where"]) for r in stock.applied] == [("arm.scalar_mul_into_conv", "mul")]
+    assert ours.applied == [] and [r["fold"] for r in ours.declined] == ["arm.scalar_mul_into_conv"]
+    assert ours.tosa_ops.get("MUL", 0) == stock.tosa_ops.get("MUL", 0) + 1
+    assert ours.pte_bytes > stock.pte_bytes
+    (note,) = ours.notes
+    assert "where etfold declined 1×" in note and f"{ours.pte_bytes - stock.pte_bytes:+,} B" in note
+    table = report.format_table([stock, ours])
+    assert f"recurrent_conv_cell_int8 [etfold] note     {note}" in table
