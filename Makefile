@@ -9,7 +9,7 @@ CONSTRAINTS := constraints.txt
 # /opt/wheels; elsewhere it comes from PyTorch's CPU index (PyPI's is the CUDA build).
 TORCH_SOURCE := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,--extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: install report test lint bench buck
+.PHONY: install report test lint bench buck fuzz
 
 install: $(STAMP)
 
@@ -29,6 +29,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	for script in bench/bench_*.py; do $(VENV)/bin/python $$script || exit 1; done
+
+# The long differential fuzzing profile (>= 2000 cases over the four fold families; resumable:
+# a rerun with the same seed continues). FUZZ_ARGS takes e.g. --budget MINUTES --seed N --cases N.
+fuzz: $(STAMP)
+	$(VENV)/bin/python tools/fuzz.py $(FUZZ_ARGS)
 
 buck:
 	$(PYTHON) tools/buck_targets.py

@@ -1,0 +1,645 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Lower one generated case with stock ExecuTorch and with etfold, run both, judge.
+
+`run_case(case)` returns an `Outcome` whose verdict is one of:
+
+- ok: etfold's program matches the reference (and every other oracle holds)
+- wrong: etfold's program computes a wrong result where the baseline does not,
+  folded what a guard must decline, or (TOSA) differs from the unfolded lowering
+  of the same quantized program where its folds claim exactness
+- crash_etfold: etfold raised where the baseline lowered and ran
+- crash_both: the baseline raised too (an upstream failure, see KNOWN_UPSTREAM)
+- upstream_wrong: the baseline is as wrong as etfold (an upstream bug)
+- mutation: etfold wrote into the user's module or ExportedProgram
+- more_delegates: etfold's program has more delegates than the baseline's
+
+Oracles:
+- XNNPACK (weight fold, converts): the baseline is upstream's
+  `to_edge_transform_and_lower` with upstream's `XnnpackPartitioner`. Outputs are
+  compared with eager at a tolerance for the narrowest dtype in the case, over
+  every call of the case's schedule on one loaded program (buffers carry over).
+- Arm (scalar-mul, DyT): the baseline is the lowering with etfold's folds not
+  registered (for scalar-mul also upstream's own fold retired: it is the unguarded
+  one etfold replaces). INT outputs may differ from fp32 eager by no more than the
+  baseline's error plus one output LSB; FP outputs must match eager. For DyT the
+  integer folds are also checked code for code against the unfolded lowering of
+  the very same quantized program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.export import ExportedProgram
+
+from etfold.decisions import collect_decisions
+from etfold.harness import generated
+from etfold.harness.generated import Built, ConvertsCase, DyTCase, ScalarMulCase, WeightFoldCase
+from etfold.harness.xnnpack_runner import max_abs_error
+
+VERDICTS = (
+    "ok",
+    "wrong",
+    "crash_etfold",
+    "crash_both",
+    "upstream_wrong",
+    "mutation",
+    "more_delegates",
+)
+FAILURES = ("wrong", "crash_etfold", "mutation", "more_delegates")
+
+# Relative tolerance against eager, by the narrowest dtype a case computes in.
+XNNPACK_TOLERANCE = {torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+FP_TOSA_TOLERANCE = 1e-4
+
+# Failures of stock ExecuTorch itself (the baseline fails the same way): the
+# upstream error each pattern matches, and what the case looks like.
+KNOWN_UPSTREAM: tuple[tuple[str, str], ...] = (
+    (
+        r"leaf Variable that requires grad is being used in an in-place operation",
+        "to_executorch of a program that updates a buffer in place",
+    ),
+    (r"CONST_SHAPE", "TOSA lowering: InternalError on tosa.CONST_SHAPE"),
+    (
+        r"is not in Core ATen opset",
+        "to_edge: an op outside Core ATen (linalg_householder_product from orthogonal(householder))",
+    ),
+    (
+        r"Failed to execute method \w+, error: 0x1",
+        "XNNPACK runtime rejects the delegate at init (a bf16 BMM: xnn_status_invalid_parameter)",
+    ),
+    (
+        r"marked not to be transformed before annotation",
+        "Arm: conv_transpose1d sites are not transformed before annotation",
+    ),
+)
+
+
+def known_pending(case, outcome: Outcome) -> str | None:
+    """A failure of a class reported and awaiting its fix, not yet a regression.
+
+    Each entry names the class; remove it with the fix, so the class fails again.
+    """
+    fp16_gelu = isinstance(case, ConvertsCase) and any(
+        r.op == "gelu" and r.dtype == "float16" for r in case.regions
+    )
+    if outcome.verdict == "mutation" and fp16_gelu:
+        return "the fp16 GELU widening rewrites the user's ExportedProgram in place"
+    if outcome.verdict not in ("wrong", "more_delegates"):
+        return None
+    if isinstance(case, WeightFoldCase) and case.share in ("derived", "operand"):
+        return "a parameter that is a static conv weight and also read by other ops"
+    if isinstance(case, WeightFoldCase) and case.buffer == "written_in_forward":
+        return "a buffer read by a delegate and written in place in the same forward"
+    if outcome.verdict == "more_delegates" and isinstance(case, ConvertsCase):
+        return "delegated converts around fp32 regions can split a delegate stock keeps whole"
+    if isinstance(case, ConvertsCase):
+        ops = [r.op for r in case.regions]
+        last_dim = [i for i, op in enumerate(ops) if op in ("softmax_last", "norm_in_fp32")]
+        if "conv" in ops and last_dim and ops.index("conv") < max(last_dim):
+            return "a conv and a last-dim reduction in one delegate with channels-last layout"
+    return None
+
+
+@dataclass
+class Outcome:
+    family: str
+    verdict: str
+    detail: str = ""
+    etfold_error: float | None = None
+    baseline_error: float | None = None
+    tolerance: float | None = None
+    decisions: list[str] = field(default_factory=list)
+    journal: list = field(default_factory=list, repr=False)  # the FoldDecisions themselves
+    etfold_failure: str | None = None  # etfold's own error, when it raised
+    lowered: object = field(default=None, repr=False)  # etfold's lowered program
+    quantized: ExportedProgram | None = field(default=None, repr=False)  # Arm: what it lowered
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict in FAILURES
+
+
+def known_upstream(message: str) -> str | None:
+    """The KNOWN_UPSTREAM description a baseline error matches, if any."""
+    for pattern, description in KNOWN_UPSTREAM:
+        if re.search(pattern, message):
+            return description
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's type and the first non-empty line of its message."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+@dataclass
+class _Attempt:
+    outputs: list[list[torch.Tensor]] | None = None  # per call
+    error: BaseException | None = None
+    delegates: int = 0
+    lsb: list[float | None] = field(default_factory=list)  # TOSA INT: per user output
+    program: object = None
+    quantized: ExportedProgram | None = None  # Arm: the program as lowered, before lowering
+
+
+def _attempt(fn: Callable[[], _Attempt]) -> _Attempt:
+    try:
+        return fn()
+    except Exception as error:  # a crash is a verdict, not a test error
+        return _Attempt(error=error)
+
+
+def eager_rollout(built: Built) -> list[list[torch.Tensor]]:
+    """Every call of the schedule on one private copy of the module."""
+    module = copy.deepcopy(built.module)
+    return _rollout(built, lambda method, inputs: getattr(module, method)(*inputs))
+
+
+def _rollout(built: Built, call: Callable[[str, tuple], object]) -> list[list[torch.Tensor]]:
+    results, previous = [], None
+    with torch.no_grad():
+        for step in built.calls:
+            inputs = list(step.inputs)
+            if built.feedback is not None and previous is not None:
+                out_index, in_index = built.feedback
+                inputs[in_index] = previous[out_index]
+            out = call(step.method, tuple(inputs))
+            outs = [out] if isinstance(out, torch.Tensor) else list(out)
+            outs = [o.detach().clone() for o in outs]
+            results.append(outs)
+            previous = outs
+    return results
+
+
+def _worst(actual: list[list[torch.Tensor]], expected: list[list[torch.Tensor]]) -> float:
+    return max(max_abs_error(a, e) for a, e in zip(actual, expected, strict=True))
+
+
+def _scale(expected: list[list[torch.Tensor]]) -> float:
+    finite = [o.double().abs()[o.isfinite()] for outs in expected for o in outs]
+    peaks = [float(f.max()) for f in finite if f.numel()]
+    return max([1.0, *peaks])
+
+
+# ---------------------------------------------------------------- the user's objects
+
+
+def _tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (a NaN equals the same NaN)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(_bytes(a), _bytes(b))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    tensors: dict[str, torch.Tensor]
+    code: str
+
+
+def snapshot(obj: torch.nn.Module | ExportedProgram) -> _Snapshot:
+    """Values of every state tensor and the code of the graph (module: its parameters)."""
+    if isinstance(obj, ExportedProgram):
+        tensors = {**obj.state_dict, **{f"constant:{k}": v for k, v in obj.constants.items()}}
+        code = obj.graph_module.code + str(obj.graph_signature)
+    else:
+        tensors = dict(obj.state_dict(keep_vars=True))
+        code = ""
+    return _Snapshot(
+        {k: v.detach().clone() for k, v in tensors.items() if isinstance(v, torch.Tensor)}, code
+    )
+
+
+def changes(before: _Snapshot, obj: torch.nn.Module | ExportedProgram) -> list[str]:
+    """What differs between `before` and `obj` now: the names of changed tensors, or 'graph'."""
+    after = snapshot(obj)
+    changed = [
+        name
+        for name in sorted(set(before.tensors) | set(after.tensors))
+        if name not in before.tensors
+        or name not in after.tensors
+        or not _tensors_equal(before.tensors[name], after.tensors[name])
+    ]
+    return changed + (["graph"] if before.code != after.code else [])
+
+
+# ---------------------------------------------------------------- XNNPACK
+
+
+def _narrowest_dtype(case) -> torch.dtype:
+    if isinstance(case, WeightFoldCase):
+        names = [case.dtype]
+    else:
+        names = [case.model_dtype, *(r.dtype for r in case.regions)]
+    dtypes = [generated.DTYPES[n] for n in names]
+    return max(dtypes, key=lambda d: XNNPACK_TOLERANCE[d])
+
+
+def _partitioner_kwargs(case) -> dict:
+    uses_bf16 = _narrowest_dtype(case) is torch.bfloat16 or isinstance(case, ConvertsCase)
+    return {"enable_bf16": True} if uses_bf16 else {}
+
+
+def _executorch_config(built: Built):
+    """Methods share mutable buffers, so a buffer one method writes is what another reads."""
+    if len(built.methods) == 1:
+        return None
+    from executorch.exir import ExecutorchBackendConfig
+    from executorch.exir.passes import MemoryPlanningPass
+
+    return ExecutorchBackendConfig(
+        memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
+        emit_mutable_buffer_names=True,
+    )
+
+
+def _lower_xnnpack(built: Built, programs, partitioner, lower) -> _Attempt:
+    from etfold.harness.xnnpack_runner import lower_xnnpack
+
+    lowered = lower_xnnpack(
+        programs, [partitioner], lower=lower, executorch_config=_executorch_config(built)
+    )
+    outputs = _rollout(built, lambda method, inputs: lowered.run(*inputs, method=method))
+    delegates = sum(lowered.delegates(m) for m in built.methods)
+    return _Attempt(outputs, delegates=delegates, program=lowered)
+
+
+Prepare = Callable[[ExportedProgram], None]
+
+
+def _export(built: Built, module=None, dynamic_shapes=None) -> dict[str, ExportedProgram]:
+    from etfold.harness.xnnpack_runner import export_method
+
+    module = built.module if module is None else module
+    if dynamic_shapes is not None:
+        (inputs,) = built.methods.values()
+        return {"forward": torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes)}
+    return {m: export_method(module, m, inputs) for m, inputs in built.methods.items()}
+
+
+def _prepared(programs: dict[str, ExportedProgram], prepare: Prepare | None):
+    for program in programs.values():
+        if prepare is not None:
+            prepare(program)
+    return programs
+
+
+def differential_xnnpack(
+    built: Built,
+    *,
+    family: str = "xnnpack",
+    partitioner_kwargs: dict | None = None,
+    dtype: torch.dtype = torch.float32,
+    prepare: Prepare | None = None,
+    dynamic_shapes=None,
+) -> Outcome:
+    """Stock vs etfold on XNNPACK for one built model. `prepare` edits each fresh export
+    (the same way for both lowerings) before it is lowered."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+        XnnpackPartitioner as UpstreamXnnpackPartitioner,
+    )
+    from executorch.exir import to_edge_transform_and_lower as upstream_lower
+
+    from etfold.backends.xnnpack import XnnpackPartitioner
+    from etfold.exir import to_edge_transform_and_lower
+
+    kwargs = partitioner_kwargs or {}
+    module_before = snapshot(built.module)
+    expected = _attempt_eager(built)
+
+    def stock() -> _Attempt:
+        copied = copy.deepcopy(built.module)
+        programs = _prepared(_export(built, copied, dynamic_shapes), prepare)
+        return _lower_xnnpack(built, programs, UpstreamXnnpackPartitioner(**kwargs), upstream_lower)
+
+    baseline = _attempt(stock)
+    programs = _attempt_value(lambda: _prepared(_export(built, None, dynamic_shapes), prepare))
+    if isinstance(programs, BaseException):
+        return _export_failed(family, programs, baseline)
+    programs_before = {m: snapshot(p) for m, p in programs.items()}
+    with collect_decisions() as journal:
+        ours = _attempt(
+            lambda: _lower_xnnpack(
+                built, programs, XnnpackPartitioner(**kwargs), to_edge_transform_and_lower
+            )
+        )
+    outcome = Outcome(family, "ok", decisions=[_decision(d) for d in journal])
+    outcome.journal = list(journal)
+    mutated = changes(module_before, built.module) + [
+        f"{m}:{name}" for m, p in programs.items() for name in changes(programs_before[m], p)
+    ]
+    if mutated:
+        return _with(outcome, "mutation", f"etfold changed {mutated[:5]}")
+    tolerance = XNNPACK_TOLERANCE[dtype] * _scale(expected or baseline.outputs or [])
+    return _judge(outcome, ours, baseline, expected, tolerance)
+
+
+def _attempt_value(fn):
+    try:
+        return fn()
+    except Exception as error:
+        return error
+
+
+def _attempt_eager(built: Built) -> list[list[torch.Tensor]] | None:
+    """The eager rollout, or None when the model itself fails in eager."""
+    try:
+        return eager_rollout(built)
+    except Exception:
+        return None
+
+
+def _export_failed(family: str, error: BaseException, baseline: _Attempt) -> Outcome:
+    """torch.export failed before any entry point ran: the same for stock and etfold."""
+    verdict = "crash_both" if baseline.error is not None else "crash_etfold"
+    return Outcome(family, verdict, _first_line(error))
+
+
+def run_xnnpack_case(case: WeightFoldCase | ConvertsCase) -> Outcome:
+    return differential_xnnpack(
+        generated.build(case),
+        family=case.family,
+        partitioner_kwargs=_partitioner_kwargs(case),
+        dtype=_narrowest_dtype(case),
+    )
+
+
+def _decision(d) -> str:
+    return f"{d.fold}:{'applied' if d.applied else 'declined'}:{d.where}:{d.detail}"[:200]
+
+
+def _with(outcome: Outcome, verdict: str, detail: str) -> Outcome:
+    outcome.verdict, outcome.detail = verdict, detail
+    return outcome
+
+
+def _judge(
+    outcome: Outcome,
+    ours: _Attempt,
+    baseline: _Attempt,
+    expected: list[list[torch.Tensor]] | None,
+    tolerance: float,
+) -> Outcome:
+    """Crashes first, then delegates, then numbers against eager and the baseline."""
+    outcome.tolerance = tolerance
+    if ours.error is not None:
+        outcome.etfold_failure = _first_line(ours.error)
+        if baseline.error is not None:
+            return _with(outcome, "crash_both", _first_line(baseline.error))
+        return _with(outcome, "crash_etfold", _first_line(ours.error))
+    if expected is None:  # the model fails in eager: judge etfold against stock's program
+        if baseline.error is not None:
+            return outcome
+        expected = baseline.outputs
+    outcome.etfold_error = _error_or_inf(ours.outputs, expected)
+    if baseline.error is None:
+        outcome.baseline_error = _error_or_inf(baseline.outputs, expected)
+    if outcome.etfold_error > tolerance:
+        base = outcome.baseline_error
+        if base is not None and base > tolerance and outcome.etfold_error <= 2 * base + tolerance:
+            return _with(outcome, "upstream_wrong", f"baseline error {base:.3g}")
+        return _with(
+            outcome,
+            "wrong",
+            f"error {outcome.etfold_error:.3g} > tolerance {tolerance:.3g} (baseline {base})",
+        )
+    if baseline.error is None and ours.delegates > baseline.delegates:
+        return _with(outcome, "more_delegates", f"{ours.delegates} > {baseline.delegates}")
+    return outcome
+
+
+def _error_or_inf(actual, expected) -> float:
+    """The worst error over a rollout; a structural mismatch counts as infinitely wrong."""
+    try:
+        return _worst(actual, expected)
+    except AssertionError:
+        return float("inf")
+
+
+# ---------------------------------------------------------------- Arm / TOSA
+
+
+def _arm_baseline(case) -> Callable:
+    """Scalar-mul: stock with its own (unguarded) fold retired; otherwise stock as shipped."""
+    from etfold.backends.arm.registration import upstream_folds_retired
+
+    return upstream_folds_retired if isinstance(case, ScalarMulCase) else contextlib.nullcontext
+
+
+def _profile(case) -> str:
+    from etfold.harness.tosa_runner import FP, INT
+
+    return FP if getattr(case, "profile", "INT") == "FP" else INT
+
+
+def _quantized_or_exported(
+    module, built: Built, profile: str, prepare: Prepare | None = None, dynamic_shapes=None
+) -> ExportedProgram:
+    from etfold.backends.arm import mark_carried_state_outputs
+    from etfold.harness.tosa_runner import INT, quantize_exported_for_tosa
+
+    inputs = built.calls[0].inputs
+    exported = torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes)
+    if built.feedback is not None:
+        mark_carried_state_outputs(exported, [built.feedback[0]])
+    if prepare is not None:
+        prepare(exported)
+    if profile != INT:
+        return exported
+    return quantize_exported_for_tosa(exported, inputs, calibration=built.calibration)
+
+
+def _run_tosa(built: Built, program) -> list[list[torch.Tensor]]:
+    from etfold.harness.tosa_runner import run_carried
+
+    if built.feedback is None:  # one program instance: buffer writes carry to the next call
+        return [list(r.outputs) for r in run_carried(program, [c.inputs for c in built.calls])]
+    return _rollout(built, lambda _method, inputs: program.run(*inputs).outputs)
+
+
+def _lower_arm(
+    built: Built, profile: str, module, context, prepare: Prepare | None, dynamic_shapes=None
+) -> _Attempt:
+    from etfold.harness.tosa_runner import INT, lower_tosa, output_scales
+
+    with context():
+        quantized = _quantized_or_exported(module, built, profile, prepare, dynamic_shapes)
+        kept = copy.deepcopy(quantized)
+        program = lower_tosa(quantized, profile)
+    outputs = _run_tosa(built, program)
+    users = len(outputs[0])
+    lsb = output_scales(program)[-users:] if profile == INT else [None] * users
+    return _Attempt(
+        outputs, delegates=program.delegates(), lsb=lsb, program=program, quantized=kept
+    )
+
+
+def differential_arm(
+    built: Built,
+    *,
+    family: str = "arm",
+    profile: str = "TOSA-1.0+INT",
+    baseline_context: Callable = contextlib.nullcontext,
+    prepare: Prepare | None = None,
+    dynamic_shapes=None,
+) -> Outcome:
+    """The baseline lowering vs etfold's (`arm_folds_registered`) on the TOSA reference model.
+
+    The baseline lowers a deep copy; etfold lowers the user's module itself, which
+    must come back unchanged. `prepare` edits each export before quantization.
+    """
+    from etfold.backends.arm import arm_folds_registered
+
+    module_before = snapshot(built.module)
+    expected = _attempt_eager(built)
+    copied = copy.deepcopy(built.module)
+    baseline = _attempt(
+        lambda: _lower_arm(built, profile, copied, baseline_context, prepare, dynamic_shapes)
+    )
+    with collect_decisions() as journal:
+        ours = _attempt(
+            lambda: _lower_arm(
+                built, profile, built.module, arm_folds_registered, prepare, dynamic_shapes
+            )
+        )
+    outcome = Outcome(family, "ok", decisions=[_decision(d) for d in journal])
+    outcome.journal, outcome.lowered, outcome.quantized = (
+        list(journal),
+        ours.program,
+        ours.quantized,
+    )
+    mutated = changes(module_before, built.module)
+    if mutated:
+        return _with(outcome, "mutation", f"etfold changed {mutated[:5]}")
+    int_profile = profile.endswith("INT")
+    if ours.error is None and baseline.error is None and int_profile and expected is not None:
+        return _judge_int(outcome, ours, baseline, expected)
+    tolerance = FP_TOSA_TOLERANCE * _scale(expected or baseline.outputs or [])
+    return _judge(outcome, ours, baseline, expected, tolerance)
+
+
+def run_arm_case(case: ScalarMulCase | DyTCase) -> Outcome:
+    built = generated.build(case)
+    outcome = differential_arm(
+        built, family=case.family, profile=_profile(case), baseline_context=_arm_baseline(case)
+    )
+    guard = _guard_violation(case, outcome.journal)
+    if guard:
+        return _with(outcome, "wrong", guard)
+    if isinstance(case, DyTCase) and outcome.verdict == "ok":
+        mismatch = codes_match_unfolded(built, outcome)
+        if mismatch:
+            return _with(outcome, "wrong", mismatch)
+    return outcome
+
+
+def _guard_violation(case, journal) -> str | None:
+    """A scalar-mul fold of a scale that is not a finite constant along channels."""
+    if not isinstance(case, ScalarMulCase):
+        return None
+    must_decline = case.scale_values in generated.NON_FINITE_SCALES or case.scale_kind in (
+        "activation",
+        "spatial",
+    )
+    applied = [d for d in journal if d.fold == "arm.scalar_mul_into_conv" and d.applied]
+    if must_decline and applied:
+        return f"folded a {case.scale_kind} {case.scale_values} scale: {applied[0].where}"
+    return None
+
+
+def _judge_int(outcome: Outcome, ours: _Attempt, baseline: _Attempt, expected) -> Outcome:
+    """Each output, each step: |etfold - eager| <= |baseline - eager| + one output LSB."""
+    if ours.delegates > baseline.delegates:
+        return _with(outcome, "more_delegates", f"{ours.delegates} > {baseline.delegates}")
+    worst_excess, detail = 0.0, ""
+    for step, (mine, base, ref) in enumerate(
+        zip(ours.outputs, baseline.outputs, expected, strict=True)
+    ):
+        if len(mine) != len(ref) or len(base) != len(ref):
+            return _with(outcome, "wrong", f"step {step}: {len(mine)} outputs, eager {len(ref)}")
+        for index, (m, b, e) in enumerate(zip(mine, base, ref, strict=True)):
+            lsbs = [s for s in (ours.lsb[index], baseline.lsb[index]) if s is not None]
+            lsb = max(lsbs) if lsbs else FP_TOSA_TOLERANCE * _scale([[e]])
+            mine_error, base_error = _error_or_inf([[m]], [[e]]), _error_or_inf([[b]], [[e]])
+            excess = (mine_error - base_error) / lsb if mine_error > base_error else 0.0
+            if excess > worst_excess:
+                worst_excess = excess
+                detail = (
+                    f"step {step} output {index}: {mine_error:.3g}"
+                    f" vs baseline {base_error:.3g}, lsb {lsb:.3g}"
+                )
+            outcome.etfold_error = max(outcome.etfold_error or 0.0, mine_error)
+            outcome.baseline_error = max(outcome.baseline_error or 0.0, base_error)
+    if worst_excess > 1.0001:
+        return _with(outcome, "wrong", detail)
+    return outcome
+
+
+def codes_match_unfolded(built: Built, outcome: Outcome) -> str | None:
+    """etfold's integer lowering vs the unfolded lowering of the very same quantized program:
+    every delegate code equal (the integer DyT folds claim exactness).
+
+    Returns None when they match, else a description.
+    """
+    from etfold.backends.arm.registration import upstream_folds_retired
+    from etfold.harness.tosa_runner import INT, lower_tosa, max_code_difference
+
+    with upstream_folds_retired():
+        unfolded = lower_tosa(copy.deepcopy(outcome.quantized), INT)
+    for call in built.calls:
+        difference = max_code_difference(
+            outcome.lowered.run(*call.inputs), unfolded.run(*call.inputs)
+        )
+        if difference:
+            return f"integer folds differ from the unfolded lowering by {difference} LSB"
+    return None
+
+
+def failure_message(case, outcome: Outcome) -> str | None:
+    """None when the outcome is acceptable; else what went wrong, with the case as repro.
+
+    Acceptable: ok; the baseline failing the same way (upstream_wrong, or
+    crash_both with an error in KNOWN_UPSTREAM); a failure of a class with an
+    open fix (`known_pending`). An unknown upstream crash is not acceptable
+    until it is listed, so a new upstream failure is looked at once.
+    """
+    if outcome.verdict in ("ok", "upstream_wrong"):
+        return None
+    if outcome.verdict == "crash_both":
+        if known_upstream(outcome.detail):
+            return None
+        return f"stock and etfold both fail, not in KNOWN_UPSTREAM: {outcome.detail}\n{case!r}"
+    if known_pending(case, outcome):
+        return None
+    return f"{outcome.verdict}: {outcome.detail}\n{case!r}"
+
+
+def run_case(case) -> Outcome:
+    if isinstance(case, WeightFoldCase | ConvertsCase):
+        return run_xnnpack_case(case)
+    return run_arm_case(case)
+
+
+def summarize(outcomes: Sequence[Outcome], timeouts: int = 0) -> dict[str, int]:
+    counts = {v: 0 for v in VERDICTS}
+    for outcome in outcomes:
+        counts[outcome.verdict] += 1
+    counts["cases"] = len(outcomes) + timeouts
+    counts["timeouts"] = timeouts
+    return counts

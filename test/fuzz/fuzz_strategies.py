@@ -1,0 +1,204 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Hypothesis strategies for the four fold families, drawing `etfold.harness.generated` cases.
+
+Also the two settings profiles: "ci" (seeded through derandomize, a few
+examples per family, no shrinking: a failing case prints itself as its repro)
+and "long" (used by tools/fuzz.py, which sets its own example counts and seeds).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+
+from etfold.demo_models.arm_dyt import DYT_CONV_KINDS
+from etfold.harness.generated import (
+    CONV_KINDS,
+    NON_FINITE_SCALES,
+    REGION_OPS,
+    SCALE_VALUES,
+    WEIGHT_EXPRESSIONS,
+    ConvertRegion,
+    ConvertsCase,
+    DyTCase,
+    GemmLayer,
+    ScalarMulCase,
+    WeightFoldCase,
+)
+
+_QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+
+# Examples per family in the CI profile: each costs two or three real lowerings.
+CI_EXAMPLES = int(os.environ.get("ETFOLD_FUZZ_CI_EXAMPLES", "4"))
+
+settings.register_profile(
+    "ci",
+    max_examples=CI_EXAMPLES,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=_QUIET,
+    print_blob=False,
+)
+
+seeds = st.integers(0, 2**16)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ---------------------------------------------------------------- weight fold
+
+
+@st.composite
+def gemm_layers(draw, in_channels: int, first: bool, share: str, dtype: str) -> GemmLayer:
+    kinds = ["conv", "conv", "linear", "conv_transpose"]
+    if first and share == "operand":
+        kinds = ["conv", "linear"]  # the operand is the weight's mean over its out-channel rows
+    kind = draw(st.sampled_from(kinds))
+    out_channels = draw(st.integers(1, 8))
+    expressions = sorted(WEIGHT_EXPRESSIONS)
+    if dtype != "float32":  # torch has no half-precision QR or matrix_exp on CPU
+        expressions = [e for e in expressions if not e.startswith("orthogonal")]
+    weight = draw(st.sampled_from(expressions))
+    if kind == "linear":
+        return GemmLayer(kind, out_channels, bias=draw(st.booleans()), weight=weight)
+    groups = draw(st.sampled_from(_divisors(math.gcd(in_channels, out_channels))))
+    return GemmLayer(
+        kind,
+        out_channels,
+        kernel=draw(st.integers(1, 4)),
+        stride=draw(st.sampled_from([1, 1, 2])),
+        dilation=draw(st.sampled_from([1, 1, 2])),
+        groups=groups,
+        bias=draw(st.booleans()),
+        weight=weight,
+        activation=draw(st.sampled_from(["none", "relu", "tanh"])),
+    )
+
+
+@st.composite
+def weight_fold_cases(draw) -> WeightFoldCase:
+    dims = draw(st.sampled_from([1, 2]))
+    in_channels = draw(st.integers(1, 6))
+    share = draw(st.sampled_from(["none", "none", "tied", "derived", "operand"]))
+    dtype = draw(st.sampled_from(["float32", "float32", "float32", "float16", "bfloat16"]))
+    layers, channels = [], in_channels
+    for index in range(draw(st.integers(1, 3))):
+        layer = draw(gemm_layers(channels, index == 0, share, dtype))
+        layers.append(layer)
+        channels = layer.out_channels
+    return WeightFoldCase(
+        seed=draw(seeds),
+        dims=dims,
+        in_channels=in_channels,
+        size=tuple(draw(st.integers(1, 7)) for _ in range(dims)),
+        batch=draw(st.integers(1, 2)),
+        layers=tuple(layers),
+        share=share,
+        buffer=draw(
+            st.sampled_from(
+                ["none", "none", "read", "written_by_other_method", "written_in_forward"]
+            )
+        ),
+        second_method=draw(st.booleans()),
+        dtype=dtype,
+    )
+
+
+# ---------------------------------------------------------------- converts
+
+_DTYPES = ["float32", "float16", "bfloat16"]
+
+
+@st.composite
+def converts_cases(draw) -> ConvertsCase:
+    regions = draw(
+        st.lists(
+            st.builds(
+                ConvertRegion,
+                dtype=st.sampled_from(_DTYPES),
+                op=st.sampled_from(REGION_OPS),
+                channels_last=st.booleans(),
+            ),
+            min_size=1,
+            max_size=4,
+        )
+    )
+    return ConvertsCase(
+        seed=draw(seeds),
+        channels=draw(st.integers(1, 5)),
+        size=(draw(st.integers(1, 5)), draw(st.integers(1, 9))),
+        model_dtype=draw(st.sampled_from(_DTYPES)),
+        regions=tuple(regions),
+    )
+
+
+# ---------------------------------------------------------------- Arm scalar-mul
+
+
+@st.composite
+def scalar_mul_cases(draw) -> ScalarMulCase:
+    conv = draw(st.sampled_from(sorted(CONV_KINDS)))
+    even = st.sampled_from([2, 4, 6])
+    grouped = conv == "grouped"
+    values = draw(st.sampled_from([*SCALE_VALUES, *NON_FINITE_SCALES]))
+    return ScalarMulCase(
+        seed=draw(seeds),
+        conv=conv,
+        in_channels=draw(even if grouped else st.integers(1, 6)),
+        out_channels=draw(even if grouped else st.integers(1, 6)),
+        size=draw(st.integers(3, 7)),
+        bias=draw(st.booleans()),
+        scale_kind=draw(
+            st.sampled_from(["scalar", "per_channel", "per_channel", "spatial", "activation"])
+        ),
+        scale_values=values,
+        scale_first=draw(st.booleans()),
+        share=draw(st.sampled_from([False, False, True])),
+        state=draw(st.sampled_from(["none", "none", "buffer", "marked_output"])),
+        # a non-finite scale cannot be calibrated: it is checked in fp32
+        profile="FP"
+        if values in NON_FINITE_SCALES
+        else draw(st.sampled_from(["INT", "INT", "FP"])),
+    )
+
+
+# ---------------------------------------------------------------- Arm DyT
+
+
+@st.composite
+def dyt_cases(draw) -> DyTCase:
+    conv = draw(st.sampled_from(sorted(DYT_CONV_KINDS)))
+    smallest = 3 if conv == "3x3_unpadded" else 1
+    alpha = draw(st.sampled_from([0.5, 1.0, 0.1, 2.5])) * draw(st.sampled_from([1, 1, -1]))
+    return DyTCase(
+        seed=draw(seeds),
+        channels=draw(st.integers(1, 8)),
+        out_channels=draw(st.integers(1, 8)),
+        size=(draw(st.integers(smallest, 6)), draw(st.integers(smallest, 6))),
+        nhwc=draw(st.booleans()),
+        between=draw(st.sampled_from(["none", "none", "slice", "permute_back_and_forth"])),
+        conv=conv,
+        gamma=draw(st.sampled_from(["identity", "random"])),
+        beta=draw(st.sampled_from(["zero", "random"])),
+        alpha=alpha,
+    )
+
+
+FAMILIES = {
+    "weight_fold": weight_fold_cases(),
+    "converts": converts_cases(),
+    "scalar_mul": scalar_mul_cases(),
+    "dyt": dyt_cases(),
+}

@@ -1,0 +1,75 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""tools/fuzz.py, the long profile: reproducible draws, resume, budget, summary lines.
+
+The case runner is replaced by a recorder here (the differential runs themselves
+are the family tests); everything around it is the real tool.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "fuzz.py"
+
+
+@pytest.fixture
+def fuzz():
+    spec = importlib.util.spec_from_file_location("etfold_fuzz_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_case_i_of_a_family_is_the_same_on_every_run_and_differs_by_seed_and_index(fuzz):
+    for family in fuzz.FAMILY_NAMES:
+        first = fuzz.draw_case(family, 7, 3)
+        assert first == fuzz.draw_case(family, 7, 3)
+        assert type(first).family == family
+    draws = {repr(fuzz.draw_case("dyt", seed, index)) for seed in (0, 1) for index in range(4)}
+    assert len(draws) == 8
+
+
+def _recorder(fuzz, monkeypatch, verdicts):
+    ran = []
+
+    def run_one(family, seed, index, timeout):
+        ran.append((family, index))
+        verdict = verdicts.get((family, index), "ok")
+        return {"verdict": verdict, "detail": "", "index": index, "case": f"{family}{index}"}
+
+    monkeypatch.setattr(fuzz, "run_one", run_one)
+    return ran
+
+
+def test_a_rerun_with_the_same_seed_resumes_after_the_last_recorded_case(
+    fuzz, monkeypatch, tmp_path, capsys
+):
+    ran = _recorder(fuzz, monkeypatch, {("converts", 1): "crash_both"})
+    args = ["--cases", "8", "--state-dir", str(tmp_path), "--seed", "5"]
+    assert fuzz.main([*args, "--cases", "4"]) == 0
+    assert sorted(ran) == [(f, 0) for f in sorted(fuzz.FAMILY_NAMES)]
+    ran.clear()
+    assert fuzz.main(args) == 0
+    assert sorted(ran) == [(f, 1) for f in sorted(fuzz.FAMILY_NAMES)]
+    lines = capsys.readouterr().out.splitlines()[-4:]
+    assert [line.split()[0] for line in lines] == list(fuzz.FAMILY_NAMES)
+    assert "cases 2, wrong 0" in lines[1] and "crashes 0 etfold only / 1 both" in lines[1]
+    recorded = (tmp_path / "converts-seed5.jsonl").read_text().splitlines()
+    assert [json.loads(line)["index"] for line in recorded] == [0, 1]
+
+
+def test_a_wrong_program_fails_the_run_and_a_spent_budget_starts_nothing(
+    fuzz, monkeypatch, tmp_path
+):
+    ran = _recorder(fuzz, monkeypatch, {("dyt", 0): "wrong"})
+    assert fuzz.main(["--cases", "4", "--state-dir", str(tmp_path)]) == 1
+    ran.clear()
+    assert fuzz.main(["--cases", "40", "--state-dir", str(tmp_path), "--budget", "0"]) == 1
+    assert ran == []

@@ -1,0 +1,160 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""The long differential fuzzing profile: `make fuzz` (or `python tools/fuzz.py`).
+
+Draws cases for the four fold families from the strategies in
+test/fuzz/fuzz_strategies.py, runs each through `etfold.harness.differential`
+(stock ExecuTorch vs etfold on the real runtimes) and prints one summary line
+per family: cases, wrong, crashes (etfold only / both), mutations, timeouts.
+
+Case i of a family is drawn from its own random stream, seeded by (seed,
+family, i), so a run is reproducible and resumable: results are appended to
+STATE_DIR/<family>-seed<seed>.jsonl, and a rerun with the same seed continues
+after the last recorded case. `--budget` (minutes) stops starting new cases;
+`--timeout` (seconds) bounds one case. Exit status is 1 when any family has a
+wrong program, an etfold-only crash or a mutation that is not a known pending
+fix, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import signal
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "test" / "fuzz"))
+
+FAMILY_NAMES = ("weight_fold", "converts", "scalar_mul", "dyt")
+
+
+class CaseTimeout(BaseException):  # not an Exception: the harness must not classify it as a crash
+    pass
+
+
+def _on_alarm(signum, frame):
+    raise CaseTimeout
+
+
+def draw_case(family: str, seed: int, index: int):
+    """Case `index` of `family` for `seed`: the same case on every run."""
+    import fuzz_strategies
+    from hypothesis.control import BuildContext
+    from hypothesis.internal.conjecture.data import ConjectureData
+
+    digest = hashlib.sha256(f"{seed}:{family}:{index}".encode()).digest()
+    data = ConjectureData(random=random.Random(int.from_bytes(digest[:8], "little")))
+    with BuildContext(data, is_final=True, wrapped_test=draw_case):
+        return data.draw(fuzz_strategies.FAMILIES[family])
+
+
+def _state_file(state_dir: Path, family: str, seed: int) -> Path:
+    return state_dir / f"{family}-seed{seed}.jsonl"
+
+
+def _recorded(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_one(family: str, seed: int, index: int, timeout: int) -> dict:
+    from etfold.harness.differential import known_pending, known_upstream, run_case
+
+    case = draw_case(family, seed, index)
+    started = time.monotonic()
+    signal.alarm(timeout)
+    try:
+        outcome = run_case(case)
+        record = {
+            "verdict": outcome.verdict,
+            "detail": outcome.detail,
+            "known_pending": known_pending(case, outcome),
+            "known_upstream": known_upstream(outcome.detail)
+            if outcome.verdict == "crash_both"
+            else None,
+            "etfold_error": outcome.etfold_error,
+            "baseline_error": outcome.baseline_error,
+        }
+    except CaseTimeout:
+        record = {"verdict": "timeout", "detail": f"over {timeout} s"}
+    except Exception as error:  # the runner itself failed on this case: keep going, say so
+        record = {"verdict": "harness_error", "detail": traceback.format_exc(limit=3)[-500:]}
+        record["error"] = repr(error)[:300]
+    finally:
+        signal.alarm(0)
+    record.update(index=index, case=repr(case), seconds=round(time.monotonic() - started, 2))
+    return record
+
+
+def summary_line(family: str, records: list[dict], seed: int) -> str:
+    verdicts = Counter(r["verdict"] for r in records)
+    pending = sum(1 for r in records if r.get("known_pending"))
+    wrong = verdicts["wrong"]
+    return (
+        f"{family:<12} seed {seed}: cases {len(records)}, wrong {wrong - _pending(records, 'wrong')}"
+        f" (+{_pending(records, 'wrong')} known pending), crashes"
+        f" {verdicts['crash_etfold']} etfold only / {verdicts['crash_both']} both,"
+        f" mutations {verdicts['mutation']}, timeouts {verdicts['timeout']};"
+        f" more delegates {verdicts['more_delegates'] - _pending(records, 'more_delegates')},"
+        f" upstream wrong {verdicts['upstream_wrong']}, harness errors {verdicts['harness_error']},"
+        f" known pending total {pending}"
+    )
+
+
+def _pending(records: list[dict], verdict: str) -> int:
+    return sum(1 for r in records if r["verdict"] == verdict and r.get("known_pending"))
+
+
+def failed(records: list[dict]) -> bool:
+    hard = ("wrong", "crash_etfold", "mutation", "more_delegates")
+    return any(r["verdict"] in hard and not r.get("known_pending") for r in records)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cases", type=int, default=2000, help="total over the families")
+    parser.add_argument("--budget", type=float, default=None, help="minutes; then stop")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per case")
+    parser.add_argument("--families", nargs="+", default=list(FAMILY_NAMES), choices=FAMILY_NAMES)
+    parser.add_argument("--state-dir", type=Path, default=ROOT / ".fuzz")
+    parser.add_argument("--summary-only", action="store_true", help="print the recorded summary")
+    args = parser.parse_args(argv)
+
+    args.state_dir.mkdir(parents=True, exist_ok=True)
+    per_family = -(-args.cases // len(args.families))
+    deadline = None if args.budget is None else time.monotonic() + 60 * args.budget
+    signal.signal(signal.SIGALRM, _on_alarm)
+    records = {f: _recorded(_state_file(args.state_dir, f, args.seed)) for f in args.families}
+    # round-robin over the families, so a budget cut leaves every family sampled
+    while not args.summary_only:
+        pending = [f for f in args.families if len(records[f]) < per_family]
+        if not pending or (deadline is not None and time.monotonic() > deadline):
+            break
+        family = min(pending, key=lambda f: len(records[f]))
+        record = run_one(family, args.seed, len(records[family]), args.timeout)
+        records[family].append(record)
+        with _state_file(args.state_dir, family, args.seed).open("a") as out:
+            out.write(json.dumps(record) + "\n")
+        if record["verdict"] not in ("ok", "upstream_wrong", "crash_both"):
+            print(f"[{family} #{record['index']}] {record['verdict']}: {record['detail']}")
+            print(f"    {record['case']}", flush=True)
+    for family in args.families:
+        print(summary_line(family, records[family], args.seed))
+    return 1 if any(failed(r) for r in records.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
