@@ -260,14 +260,18 @@ def _models_to_run(args, progress: TextIO) -> list:
 def _report(args) -> int:
     if args.list:
         return _list(demo_models.catalogue(), args.json)
-    if args.verbose:
-        from etfold.decisions import set_log_level
-
-        set_log_level("INFO")
-    with _progress_stream() as progress:
-        models = _models_to_run(args, progress)
-        outcomes = _run_models(models, args, progress)
     from etfold import report
+    from etfold.decisions import set_log_level
+
+    if args.verbose:
+        set_log_level("INFO")
+    try:
+        with _progress_stream() as progress:
+            models = _models_to_run(args, progress)
+            outcomes = _run_models(models, args, progress)
+    finally:
+        if args.verbose:
+            set_log_level(None)
 
     if args.json:
         print(json.dumps(_json_safe(report.as_json_rows(outcomes)), indent=2))
