@@ -176,6 +176,11 @@ def record_bf16_without_kernel(program: ExportedProgram, enabled: Iterable[str])
             )
 
 
+def bf16_applies(program: ExportedProgram, user_setting: bool | None) -> bool:
+    """Whether `bf16_settings` changes anything for this program."""
+    return user_setting is True or (user_setting is None and bool(bf16_compute_nodes(program)))
+
+
 def bf16_setting(target: str, user_setting: bool | None) -> bool:
     """What a config with this target runs with, given bf16 is on for the program."""
     known = BF16_ON_XNNPACK.get(target)

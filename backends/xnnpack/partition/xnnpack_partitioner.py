@@ -28,7 +28,11 @@ from etfold.backends.xnnpack._passes.last_axis_ops_read_nchw import (
 )
 from etfold.backends.xnnpack._passes.widen_half_precision_ops_pass import widen_half_precision_ops
 from etfold.backends.xnnpack.install import DTYPE_CONVERTS_SPEC, install
-from etfold.backends.xnnpack.partition.bf16_delegation import bf16_scope
+from etfold.backends.xnnpack.partition.bf16_delegation import (
+    bf16_applies,
+    bf16_scope,
+    bf16_settings,
+)
 from etfold.backends.xnnpack.partition.config.convert_config import with_dtype_convert_configs
 from etfold.backends.xnnpack.partition.constant_layout_conflicts import find_layout_conflicts
 from etfold.backends.xnnpack.partition.weight_fold import fold_gemm_weights, seed_slots
@@ -97,6 +101,20 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
             for tag, tag_spec in result.partition_tags.items()
         }
         return PartitionResult(result.tagged_exported_program, partition_tags)
+
+    def ops_to_not_decompose(self, ep: ExportedProgram):
+        """Upstream's, with each kept-op check run under the bf16 settings partition() uses,
+        so a bf16 linear stays linear exactly when it will be partitioned."""
+        ops, keep = super().ops_to_not_decompose(ep)
+        if keep is None or not bf16_applies(ep, self._user_enable_bf16):
+            return ops, keep
+        configs = list(self.target_partitioner_configs.values())
+
+        def keep_under_bf16_settings(node) -> bool:
+            with bf16_settings(configs, self._user_enable_bf16):
+                return keep(node)
+
+        return ops, keep_under_bf16_settings
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         if self.delegate_dtype_converts:
