@@ -1,102 +1,221 @@
-"""fp16 GELU is computed in fp32 between two delegated converts."""
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
 
+"""Half-precision ops without an accurate kernel are computed in fp32 between two converts."""
+
+from __future__ import annotations
+
+import copy
 from collections import Counter
 
 import pytest
 import torch
+from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+    XnnpackPartitioner as UpstreamXnnpackPartitioner,
+)
+from executorch.exir import to_edge_transform_and_lower as upstream_lower
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from etfold.backends.xnnpack import XnnpackPartitioner
-from etfold.backends.xnnpack._passes.widen_fp16_gelu_pass import (
+from etfold.backends.xnnpack._passes.widen_half_precision_ops_pass import (
     FOLD,
-    match_fp16_gelu,
-    widen_fp16_gelu,
+    match_half_precision_op,
+    widen_half_precision_ops,
 )
 from etfold.decisions import Declined, collect_decisions
 from etfold.exir import to_edge_transform_and_lower
-from etfold.harness.xnnpack_runner import eager_outputs, lower_xnnpack
+from etfold.harness.xnnpack_runner import eager_outputs, lower_xnnpack, max_abs_error
 
-GELU = torch.ops.aten.gelu.default
-TO_COPY = torch.ops.aten._to_copy.default
+aten = torch.ops.aten
+TO_COPY = aten._to_copy.default
+F = torch.nn.functional
 
 
-class GeluMlp(torch.nn.Module):
-    def __init__(self, approximate: str = "none"):
+class HalfOp(torch.nn.Module):
+    """One op of the table on `x`; `norm` holds layer_norm's weight and bias."""
+
+    def __init__(self, op: str, width: int):
         super().__init__()
-        self.up = torch.nn.Linear(32, 64)
-        self.down = torch.nn.Linear(64, 32)
-        self.approximate = approximate
+        self.op = op
+        self.norm = torch.nn.LayerNorm(width)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-0.5, 0.5)
 
     def forward(self, x):
-        return self.down(torch.nn.functional.gelu(self.up(x), approximate=self.approximate))
+        if self.op == "layer_norm":
+            return self.norm(x)
+        if self.op == "var":
+            return x.var(-1, keepdim=True)
+        if self.op == "softmax":
+            return torch.softmax(4 * x, -1)
+        if self.op == "cumsum":
+            return torch.cumsum(x, -1)
+        if self.op == "gelu":
+            return F.gelu(4 * x)
+        raise ValueError(self.op)
 
 
-def _model(dtype, approximate="none"):
-    torch.manual_seed(0)
-    module = GeluMlp(approximate).to(dtype).eval()
-    return module, (torch.randn(4, 32).to(dtype),)
+OP_TARGETS = {
+    "layer_norm": aten.layer_norm.default,
+    "var": aten.var.dim,
+    "softmax": aten.softmax.int,
+    "cumsum": aten.cumsum.default,
+    "gelu": aten.gelu.default,
+}
+
+
+def _case(op: str, dtype: torch.dtype, width: int, offset: float = 0.5, seed: int = 0):
+    """The half module, its input, and the fp32 eager reference on the same values."""
+    torch.manual_seed(seed)
+    half = HalfOp(op, width).eval().to(dtype)
+    x = (torch.randn(4, width) + offset).to(dtype)
+    # the same half weights and input, computed in fp32
+    return half, (x,), eager_outputs(copy.deepcopy(half).float(), (x.float(),))
+
+
+def _lower(module, inputs, partitioner, lower=to_edge_transform_and_lower):
+    return lower_xnnpack(torch.export.export(module, inputs), [partitioner], lower=lower)
+
+
+def _error(actual, expected) -> float:
+    return max_abs_error([a.float() for a in actual], expected)
+
+
+def _ulp_error(expected, dtype) -> float:
+    """What rounding the fp32 result to `dtype` alone costs."""
+    return _error([e.to(dtype) for e in expected], expected)
+
+
+# (op, dtype, width): every op in both half dtypes it is widened in, widths 256-1024
+ACCURACY_CASES = [
+    ("layer_norm", torch.float16, 384),
+    ("layer_norm", torch.bfloat16, 1024),
+    ("var", torch.float16, 1024),
+    ("var", torch.bfloat16, 512),
+    ("softmax", torch.float16, 1024),
+    ("softmax", torch.bfloat16, 512),
+    ("cumsum", torch.float16, 1024),
+    ("cumsum", torch.bfloat16, 256),
+    ("gelu", torch.float16, 768),
+]
+
+
+@pytest.mark.parametrize("op,dtype,width", ACCURACY_CASES)
+def test_widened_op_on_the_runtime_matches_fp32_eager_within_one_rounding(op, dtype, width):
+    module, inputs, expected = _case(op, dtype, width)
+    with collect_decisions() as decisions:
+        lowered = _lower(module, inputs, XnnpackPartitioner())
+    assert [d.where for d in decisions if d.fold == FOLD and d.applied] == [op]
+    assert _error(lowered.run(*inputs), expected) <= 1.01 * _ulp_error(expected, dtype)
+
+
+@pytest.mark.parametrize(
+    "op,dtype,width", [c for c in ACCURACY_CASES if c[0] in ("layer_norm", "var", "cumsum")]
+)
+def test_stock_lowering_of_the_same_op_is_far_off(op, dtype, width):
+    """What the widening fixes: the portable half kernel, stock ExecuTorch."""
+    module, inputs, expected = _case(op, dtype, width)
+    stock = _lower(module, inputs, UpstreamXnnpackPartitioner(enable_bf16=True), upstream_lower)
+    assert _error(stock.run(*inputs), expected) > 3 * _ulp_error(expected, dtype)
+
+
+@settings(max_examples=3, deadline=None)
+@given(
+    width=st.integers(256, 1024),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    offset=st.floats(-2.0, 2.0),
+    seed=st.integers(0, 2**16),
+)
+def test_generated_layer_norms_match_fp32_eager(width, dtype, offset, seed):
+    module, inputs, expected = _case("layer_norm", dtype, width, offset, seed)
+    lowered = _lower(module, inputs, XnnpackPartitioner())
+    assert _error(lowered.run(*inputs), expected) <= 1.01 * _ulp_error(expected, dtype)
 
 
 def _targets(program) -> Counter:
     return Counter(n.target for n in program.graph.nodes if n.op == "call_function")
 
 
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
-def test_fp16_gelu_is_widened_and_computes_the_same_function(approximate):
-    module, inputs = _model(torch.float16, approximate)
+@pytest.mark.parametrize("op", list(OP_TARGETS))
+def test_the_graph_computes_the_op_in_fp32_between_two_converts(op):
+    module, inputs, _ = _case(op, torch.float16, 256)
     program = torch.export.export(module, inputs)
-    with collect_decisions() as decisions:
-        widened = widen_fp16_gelu(program)
-    assert widened is program
-    (gelu,) = [n for n in program.graph.nodes if n.target is GELU]
-    assert gelu.args[0].target is TO_COPY and gelu.args[0].kwargs["dtype"] is torch.float32
-    assert gelu.meta["val"].dtype is torch.float32
-    assert _targets(program)[TO_COPY] == 2
-    assert [d.fold for d in decisions if d.applied] == [FOLD]
-    # torch evaluates half GELU in fp32 and rounds once: bit-identical
+    before = _targets(program)[TO_COPY]
+    assert widen_half_precision_ops(program) is program
+    (node,) = [n for n in program.graph.nodes if n.target is OP_TARGETS[op]]
+    assert node.meta["val"].dtype is torch.float32
+    assert node.args[0].target is TO_COPY and node.args[0].kwargs["dtype"] is torch.float32
+    (narrowed,) = node.users
+    assert narrowed.target is TO_COPY and narrowed.kwargs["dtype"] is torch.float16
+    widened_weights = 2 if op == "layer_norm" else 0
+    assert _targets(program)[TO_COPY] == before + 2 + widened_weights
+
+
+def test_fp16_gelu_widened_is_bit_identical_to_eager():
+    """PyTorch computes half GELU in fp32 and rounds once."""
+    module, inputs, _ = _case("gelu", torch.float16, 256)
+    program = widen_half_precision_ops(torch.export.export(module, inputs))
     assert torch.equal(program.module()(*inputs), eager_outputs(module, inputs)[0])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_other_dtypes_are_left_alone(dtype):
-    module, inputs = _model(dtype)
+@pytest.mark.parametrize(
+    "op,dtype",
+    [("gelu", torch.bfloat16), ("layer_norm", torch.float32), ("cumsum", torch.float32)],
+)
+def test_ops_outside_their_widened_dtypes_are_left_alone(op, dtype):
+    module, inputs, _ = _case(op, dtype, 256)
     program = torch.export.export(module, inputs)
     before = str(program.graph)
-    widen_fp16_gelu(program)
-    assert str(program.graph) == before
+    with collect_decisions() as decisions:
+        widen_half_precision_ops(program)
+    assert str(program.graph) == before and not decisions
 
 
-def test_declines_when_the_gelu_input_has_no_metadata():
-    module, inputs = _model(torch.float16)
-    program = torch.export.export(module, inputs)
-    (gelu,) = [n for n in program.graph.nodes if n.target is GELU]
-    del gelu.args[0].meta["val"]
-    assert match_fp16_gelu(gelu) == Declined("GELU input has no tensor metadata")
+def _assert_declined(program, reason: str):
     before = str(program.graph)
-    widen_fp16_gelu(program)
+    with collect_decisions() as decisions:
+        widen_half_precision_ops(program)
     assert str(program.graph) == before
+    assert [d.detail for d in decisions if d.fold == FOLD] == [reason]
 
 
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
-def test_fp16_mlp_lowers_to_one_delegate_and_matches_eager(approximate):
-    module, inputs = _model(torch.float16, approximate)
-    lowered = lower_xnnpack(
-        torch.export.export(module, inputs),
-        [XnnpackPartitioner()],
-        lower=to_edge_transform_and_lower,
-    )
-    assert lowered.delegates() == 1
-    assert sum(lowered.ops_outside().values()) == 0
-    torch.testing.assert_close(
-        lowered.run(*inputs)[0], eager_outputs(module, inputs)[0], atol=2e-3, rtol=2e-3
-    )
+def test_declines_when_a_tensor_argument_has_no_metadata():
+    module, inputs, _ = _case("layer_norm", torch.float16, 256)
+    program = torch.export.export(module, inputs)
+    (node,) = [n for n in program.graph.nodes if n.target is aten.layer_norm.default]
+    del node.args[2].meta["val"]
+    reason = "the op or one of its tensor arguments has no tensor metadata"
+    assert match_half_precision_op(node) == Declined(reason)
+    _assert_declined(program, reason)
 
 
-def test_without_delegated_converts_the_gelu_stays_outside_as_upstream_leaves_it():
-    module, inputs = _model(torch.float16)
-    lowered = lower_xnnpack(
-        torch.export.export(module, inputs),
-        [XnnpackPartitioner(delegate_dtype_converts=False)],
-        lower=to_edge_transform_and_lower,
-    )
-    assert lowered.delegates() == 2
-    assert lowered.ops_outside() == {"aten.gelu.default": 1}
+def test_declines_when_the_op_already_returns_another_dtype():
+    class CumsumToFp32(torch.nn.Module):
+        def forward(self, x):
+            return torch.cumsum(x, -1, dtype=torch.float32)
+
+    x = torch.randn(2, 256).half()
+    program = torch.export.export(CumsumToFp32(), (x,))
+    _assert_declined(program, "the op already returns torch.float32, not its input's torch.float16")
+
+
+def test_declines_when_a_tensor_argument_is_neither_half_nor_fp32():
+    module, inputs, _ = _case("layer_norm", torch.float16, 256)
+    program = torch.export.export(module, inputs)
+    (node,) = [n for n in program.graph.nodes if n.target is aten.layer_norm.default]
+    weight = node.args[2]
+    weight.meta["val"] = weight.meta["val"].to(torch.float64)
+    _assert_declined(program, "a tensor argument is neither torch.float16 nor float32")
+
+
+def test_with_delegated_converts_off_nothing_is_widened():
+    module, inputs, _ = _case("gelu", torch.float16, 256)
+    with collect_decisions() as decisions:
+        lowered = _lower(module, inputs, XnnpackPartitioner(delegate_dtype_converts=False))
+    assert not [d for d in decisions if d.fold == FOLD]
+    assert lowered.ops_outside()["aten.gelu.default"] == 1
