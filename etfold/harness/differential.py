@@ -563,11 +563,37 @@ def _guard_violation(case, journal) -> str | None:
     return None
 
 
+# INT bounds, in output LSB, on how much worse than the baseline etfold may be against eager.
+# An annotation-time fold changes which values are observed and rounded, so after a
+# nonlinearity single elements can land a few grid steps apart either way; a wrong fold
+# (wrong axis, missing bias, stale state) moves whole channels, which the mean shows.
+INT_MAX_EXCESS = 3.0  # never more than this, anywhere
+INT_LSB = 1.0  # beyond one LSB somewhere, the mean must not be worse ...
+INT_MEAN_EXCESS = 0.1  # ... by more than this
+
+
+def _int_excess(mine: torch.Tensor, base: torch.Tensor, ref: torch.Tensor, lsb: float):
+    """(max, mean) error of `mine` minus that of `base`, against `ref`, in LSB."""
+    from etfold.harness.xnnpack_runner import elementwise_error
+
+    _check_same_layout(mine, ref)
+    _check_same_layout(base, ref)
+    if not ref.numel():
+        return 0.0, 0.0
+    mine_error, base_error = elementwise_error(mine, ref), elementwise_error(base, ref)
+    max_excess = (float(mine_error.max()) - float(base_error.max())) / lsb
+    mean_excess = (float(mine_error.mean()) - float(base_error.mean())) / lsb
+    return max_excess, mean_excess
+
+
+def _check_same_layout(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    max_abs_error([actual], [expected])  # raises on a count, shape or dtype mismatch
+
+
 def _judge_int(outcome: Outcome, ours: _Attempt, baseline: _Attempt, expected) -> Outcome:
-    """Each output, each step: |etfold - eager| <= |baseline - eager| + one output LSB."""
-    if ours.delegates > baseline.delegates:
-        return _with(outcome, "more_delegates", f"{ours.delegates} > {baseline.delegates}")
-    worst_excess, detail = 0.0, ""
+    """Each output of each step, against eager, in LSB of that output: etfold's max error
+    at most INT_MAX_EXCESS above the baseline's, and where it is more than INT_LSB above,
+    its mean error at most INT_MEAN_EXCESS above. Then delegates."""
     for step, (mine, base, ref) in enumerate(
         zip(ours.outputs, baseline.outputs, expected, strict=True)
     ):
@@ -576,18 +602,22 @@ def _judge_int(outcome: Outcome, ours: _Attempt, baseline: _Attempt, expected) -
         for index, (m, b, e) in enumerate(zip(mine, base, ref, strict=True)):
             lsbs = [s for s in (ours.lsb[index], baseline.lsb[index]) if s is not None]
             lsb = max(lsbs) if lsbs else FP_TOSA_TOLERANCE * _scale([[e]])
-            mine_error, base_error = _error_or_inf([[m]], [[e]]), _error_or_inf([[b]], [[e]])
-            excess = (mine_error - base_error) / lsb if mine_error > base_error else 0.0
-            if excess > worst_excess:
-                worst_excess = excess
-                detail = (
-                    f"step {step} output {index}: {mine_error:.3g}"
-                    f" vs baseline {base_error:.3g}, lsb {lsb:.3g}"
+            try:
+                max_excess, mean_excess = _int_excess(m, b, e, lsb)
+            except AssertionError as mismatch:
+                return _with(outcome, "wrong", f"step {step} output {index}: {mismatch}")
+            outcome.etfold_error = max(outcome.etfold_error or 0.0, _error_or_inf([[m]], [[e]]))
+            outcome.baseline_error = max(outcome.baseline_error or 0.0, _error_or_inf([[b]], [[e]]))
+            too_far = max_excess > INT_MAX_EXCESS
+            if too_far or (max_excess > INT_LSB and mean_excess > INT_MEAN_EXCESS):
+                return _with(
+                    outcome,
+                    "wrong",
+                    f"step {step} output {index}: {max_excess:.2f} LSB worse than the baseline"
+                    f" at most, {mean_excess:.3f} LSB on average (lsb {lsb:.3g})",
                 )
-            outcome.etfold_error = max(outcome.etfold_error or 0.0, mine_error)
-            outcome.baseline_error = max(outcome.baseline_error or 0.0, base_error)
-    if worst_excess > 1.0001:
-        return _with(outcome, "wrong", detail)
+    if ours.delegates > baseline.delegates:
+        return _with(outcome, "more_delegates", f"{ours.delegates} > {baseline.delegates}")
     return outcome
 
 
