@@ -219,3 +219,22 @@ def test_with_delegated_converts_off_nothing_is_widened():
         lowered = _lower(module, inputs, XnnpackPartitioner(delegate_dtype_converts=False))
     assert not [d for d in decisions if d.fold == FOLD]
     assert lowered.ops_outside()["aten.gelu.default"] == 1
+
+
+def test_fp16_encoder_at_hidden_384_matches_fp32_eager_where_stock_gives_nan():
+    from etfold.demo_models.half_precision_regions import tiny_encoder, token_ids
+
+    encoder, ids = tiny_encoder(torch.float16), token_ids()
+    expected = eager_outputs(copy.deepcopy(encoder).float(), (ids,))
+    eager_half_error = _error(eager_outputs(encoder, (ids,)), expected)
+    etfold = lower_xnnpack(
+        torch.export.export(encoder, (ids,)),
+        [XnnpackPartitioner()],
+        lower=to_edge_transform_and_lower,
+    )
+    stock = lower_xnnpack(torch.export.export(encoder, (ids,)), [UpstreamXnnpackPartitioner()])
+    assert stock.run(ids)[0].isnan().any()
+    (output,) = etfold.run(ids)
+    assert not output.isnan().any() and etfold.ops_outside()["aten.gelu.default"] == 0
+    # XNNPACK's fp16 GEMMs round differently from eager's: within twice eager's own fp16 error
+    assert _error([output], expected) <= 2 * eager_half_error
