@@ -28,7 +28,9 @@ inserts the "annotation" entries next to their anchor. The same install also
 wraps upstream's (empty) `transform_for_pre_decomposition_pipeline`, the one
 point that sees the whole program before partitioning, to mark values written
 back to buffers or inputs as carried state: a backend pass sees only its
-delegate, where such a write-back looks like an ordinary output. Registration checks
+delegate, where such a write-back looks like an ordinary output. And it wraps
+`transform_to_backend_pipeline` so backend passes can ask which target the
+lowering is for (`_passes/lowering_target.py`): some folds pay on one NPU only. Registration checks
 upstream's shape first (classes, registry functions, the annotation anchors
 really being added) and raises `ArmRegistrationError` if anything moved.
 """
@@ -134,6 +136,7 @@ RETIRED_UPSTREAM_PASSES: tuple[str, ...] = ("FoldScalarMulIntoConvPass",)
 class _Installed:
     original_add_pass: Callable
     original_pre_decomposition: Callable
+    original_backend_pipeline: Callable
     registry_entries: list[tuple[type, Position, Any]]  # (anchor type, position, instance)
     created_registry_keys: list[type]
     insertions: tuple[ArmPassInsertion, ...]
@@ -168,6 +171,7 @@ def _pass_manager_module():
         "transform_for_annotation_pipeline",
         "_configure_pass_insertions",
         "transform_for_pre_decomposition_pipeline",
+        "transform_to_backend_pipeline",
     ):
         if manager is not None and not callable(manager.__dict__.get(method)):
             missing.append(f"ArmPassManager.{method}")
@@ -225,6 +229,17 @@ def _make_pre_decomposition(original: Callable) -> Callable:
     return transform_for_pre_decomposition_pipeline
 
 
+def _make_backend_pipeline(original: Callable) -> Callable:
+    from etfold.backends.arm._passes.lowering_target import lowering_for
+
+    def transform_to_backend_pipeline(self, *args, **kwargs):
+        with lowering_for(self.compile_spec):
+            return original(self, *args, **kwargs)
+
+    transform_to_backend_pipeline.__etfold_wrapped__ = original  # type: ignore[attr-defined]
+    return transform_to_backend_pipeline
+
+
 def _built_annotation_pipeline(profile: str):
     """An ArmPassManager after building its annotation pipeline on an empty graph (cheap)."""
     import torch
@@ -277,10 +292,12 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
     anchors = {e.anchor: _upstream_pass_class(e.anchor) for e in insertions}
 
     original_pre_decomposition = manager_cls.__dict__["transform_for_pre_decomposition_pipeline"]
+    original_backend_pipeline = manager_cls.__dict__["transform_to_backend_pipeline"]
     manager_cls.add_pass = _make_add_pass(original_add_pass, retired, insertions)
     manager_cls.transform_for_pre_decomposition_pipeline = _make_pre_decomposition(
         original_pre_decomposition
     )
+    manager_cls.transform_to_backend_pipeline = _make_backend_pipeline(original_backend_pipeline)
     try:
         _check_annotation_anchors(insertions)
         backend = [e for e in insertions if e.pipeline == "backend"]
@@ -288,6 +305,7 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
     except BaseException:
         manager_cls.add_pass = original_add_pass
         manager_cls.transform_for_pre_decomposition_pipeline = original_pre_decomposition
+        manager_cls.transform_to_backend_pipeline = original_backend_pipeline
         raise
 
     registry = module._registered_pass_insertions
@@ -303,7 +321,12 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
             module.register_pass_insertions_after(anchor_type, [instance])
         entries.append((anchor_type, entry.position, instance))
     _installed = _Installed(
-        original_add_pass, original_pre_decomposition, entries, created, insertions
+        original_add_pass,
+        original_pre_decomposition,
+        original_backend_pipeline,
+        entries,
+        created,
+        insertions,
     )
 
 
@@ -322,6 +345,7 @@ def unregister_arm_folds() -> None:
     module.ArmPassManager.transform_for_pre_decomposition_pipeline = (
         _installed.original_pre_decomposition
     )
+    module.ArmPassManager.transform_to_backend_pipeline = _installed.original_backend_pipeline
     registry = module._registered_pass_insertions
     for anchor_type, position, instance in _installed.registry_entries:
         insertions = registry.get(anchor_type)

@@ -12,6 +12,9 @@ Two signals say a value is carried:
   distinguishes from an ordinary output. `mark_carried_state_outputs` marks by
   program output index.
 
+Only the op that rounds a carried value is guarded (see `carried_region`):
+CONTRIBUTING.md ("Carried state") records the rollout measurement behind it.
+
 The mark lives in `node.meta["custom"]`, which torch.export, `to_edge` and the
 partitioner copy to the nodes they create, so it reaches the backend pipeline.
 """
@@ -24,7 +27,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from torch.fx import GraphModule, Node
 
-from etfold.backends.arm._passes.graph_utils import write_backs
+from etfold.backends.arm._passes.graph_utils import quantization_source, write_backs
 
 CARRIED_QUANT_STATE = "etfold.carried_quant_state"
 
@@ -85,15 +88,20 @@ def mark_write_backs(program: ExportedProgram) -> list[Node]:
 def carried_region(
     graph_module: GraphModule, exported_program: ExportedProgram | None = None
 ) -> frozenset[Node]:
-    """Every node whose value flows into carried state (the carried values included)."""
+    """The nodes whose rounding is the carried values' own rounding.
+
+    From each carried value back through ops that keep their input's
+    quantization (layout ops, inference no-ops, relu-like clamps) to the first
+    op that computes and requantizes: a fold there changes how the carried value
+    itself is rounded each step. A fold further upstream changes only an
+    intermediate rounding; the carried value keeps its own observer, op and
+    quantization parameters.
+    """
     seeds = [value for _, value in write_backs(graph_module, exported_program)]
     seeds += [n for n in graph_module.graph.nodes if n.op != "output" and is_carried_quant_state(n)]
     region: set[Node] = set()
-    stack = list(seeds)
-    while stack:
-        node = stack.pop()
-        if node in region:
-            continue
-        region.add(node)
-        stack.extend(node.all_input_nodes)
+    for node in seeds:
+        while isinstance(node, Node) and node not in region:
+            region.add(node)
+            node = quantization_source(node)
     return frozenset(region)

@@ -38,6 +38,7 @@ from executorch.exir.pass_base import ExportPass, PassResult
 from torch.fx import GraphModule, Node
 
 from etfold.backends.arm._passes.graph_utils import (
+    axis_before_view,
     constant_tensor,
     create_constant,
     delete_constant_if_unused,
@@ -52,6 +53,8 @@ MAX_SHIFT = 4.0
 
 _aten = torch.ops.aten
 _CONVS = (_aten.conv2d.default, _aten.convolution.default)
+_LINEARS = (_aten.linear.default,)
+_VIEWS = (_aten.view.default, _aten.reshape.default, _aten.view_copy.default)
 _PERMUTES = (_aten.permute.default, _aten.permute_copy.default)
 _LAYOUT_OTHER = (
     _aten.slice.Tensor,
@@ -80,7 +83,7 @@ class _Conv:
 class _Site:
     conv: _Conv
     layout: tuple[Node, ...]  # conv first
-    channel_axis: int  # axis of the affine's tensors that is the conv's channel axis
+    channel_axis: int | None  # axis of the affine's tensors that the layer reads as channels
     output: Node  # the affine's last node (what the layout / conv reads)
     tanh: Node
     mul: Node | None
@@ -89,7 +92,22 @@ class _Site:
     beta_arg: object
 
 
+def _linear(node: Node) -> _Conv | None:
+    """A linear as a conv with no spatial dims: weight [out, in], no padding, one group."""
+    args = [*node.args, None][:3]
+    if not isinstance(args[1], Node):
+        return None
+    weight = constant_tensor(args[1])
+    bias_node = args[2] if isinstance(args[2], Node) else None
+    bias = constant_tensor(bias_node) if bias_node is not None else None
+    if weight is None or weight.dim() != 2 or (bias_node is not None and bias is None):
+        return None
+    return _Conv(node, args[1], bias_node, weight, bias, (), 1)
+
+
 def _conv(node: Node) -> _Conv | None:
+    if node.op == "call_function" and node.target in _LINEARS:
+        return _linear(node)
     if node.op != "call_function" or node.target not in _CONVS:
         return None
     args = list(node.args)
@@ -126,20 +144,39 @@ def _constant_operand(node: Node) -> tuple[int, object] | None:
     return None
 
 
+def _rank(node: object) -> int | None:
+    value = node.meta.get("val") if isinstance(node, Node) else None
+    return value.dim() if isinstance(value, torch.Tensor) else None
+
+
+def _axis_before(node: Node, axis: int | None) -> int | None:
+    """The axis of a layout node's input that becomes `axis` of its output (None: unknown)."""
+    if axis is None:
+        return None
+    if node.target in _PERMUTES:
+        return list(node.args[1])[axis] % len(node.args[1])
+    source, result = node.args[0].meta.get("val"), node.meta.get("val")
+    if node.target in _VIEWS and source is not None and result is not None:
+        return axis_before_view(tuple(source.shape), tuple(result.shape), axis)
+    return None
+
+
 def _site(node: Node) -> _Site | None:
     conv = _conv(node)
     if conv is None:
         return None
     layout: list[Node] = []
-    axis = 1
     current = node.args[0]
+    rank = _rank(current)
+    if rank is None:
+        return None
+    axis: int | None = rank - 1 if conv.weight.dim() == 2 else 1
     while (
         isinstance(current, Node)
         and current.op == "call_function"
         and (current.target in _PERMUTES or current.target in _LAYOUT_OTHER)
     ):
-        if current.target in _PERMUTES:
-            axis = list(current.args[1])[axis] % 4
+        axis = _axis_before(current, axis)
         layout.append(current)
         current = current.args[0]
     if not isinstance(current, Node):
@@ -179,8 +216,12 @@ def _site(node: Node) -> _Site | None:
 
 def layout_is_one_permute(site: _Site) -> str | None:
     permutes = sum(n.target in _PERMUTES for n in site.layout)
-    if permutes > 1 or len(site.layout) != permutes:
-        return "ambiguous layout provenance: only one permute may sit between DyT and the conv"
+    views = sum(n.target in _VIEWS for n in site.layout)
+    if permutes > 1 or len(site.layout) != permutes + views or site.channel_axis is None:
+        return (
+            "ambiguous layout provenance: only one permute, and views keeping the channel "
+            "axis whole, may sit between DyT and the conv or linear"
+        )
     return None
 
 
@@ -211,13 +252,14 @@ def _vector(arg: object, channels: int, axis: int, rank: int) -> torch.Tensor | 
 def constants_are_channel_vectors(
     site: _Site, channels: int
 ) -> tuple[torch.Tensor, torch.Tensor] | str:
+    rank = _rank(site.output)
     gamma = (
-        _vector(site.gamma_arg, channels, site.channel_axis, 4)
+        _vector(site.gamma_arg, channels, site.channel_axis, rank)
         if site.mul
         else torch.ones(channels, dtype=torch.float64)
     )
     beta = (
-        _vector(site.beta_arg, channels, site.channel_axis, 4)
+        _vector(site.beta_arg, channels, site.channel_axis, rank)
         if site.add
         else torch.zeros(channels, dtype=torch.float64)
     )
@@ -243,7 +285,8 @@ def channels_line_up(site: _Site, channels: int) -> str | None:
 
 def gamma_spread_within_bound(site: _Site, gamma: torch.Tensor) -> str | None:
     read = gamma.abs()[_read_channels(site.conv)]  # [O, I/g]
-    used = (site.conv.weight.abs().sum(dim=(2, 3)) > 0) & (read > 0)
+    weight = site.conv.weight
+    used = (weight.abs().reshape(*weight.shape[:2], -1).sum(-1) > 0) & (read > 0)
     if not bool(used.any()):
         return None
     largest = torch.where(used, read, torch.zeros_like(read)).amax(dim=1)
@@ -287,8 +330,8 @@ def match_float_affine(node: Node) -> FloatAffineMatch | Declined | None:
         if reason := predicate(site):
             return Declined(reason)
     value = site.output.meta.get("val")
-    if not isinstance(value, torch.Tensor) or value.dim() != 4:
-        return Declined("the DyT output is not a rank-4 tensor of known shape")
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return Declined("the DyT output is not a tensor of known shape")
     channels = int(value.shape[site.channel_axis])
     if reason := channels_line_up(site, channels):
         return Declined(reason)
@@ -304,7 +347,8 @@ def match_float_affine(node: Node) -> FloatAffineMatch | Declined | None:
     conv = site.conv
     read = _read_channels(conv)
     weight64 = conv.weight.to(torch.float64)
-    weight = (weight64 * gamma[read][:, :, None, None]).to(conv.weight.dtype)
+    spatial = [1] * (weight64.dim() - 2)
+    weight = (weight64 * gamma[read].reshape(*read.shape, *spatial)).to(conv.weight.dtype)
     bias = None
     if shifted is None and bool((beta != 0).any()):
         base = (
@@ -312,14 +356,13 @@ def match_float_affine(node: Node) -> FloatAffineMatch | Declined | None:
             if conv.bias is not None
             else torch.zeros(weight.shape[0], dtype=torch.float64)
         )
-        bias = (base + (weight64 * beta[read][:, :, None, None]).sum(dim=(1, 2, 3))).to(
-            conv.weight.dtype
-        )
+        per_input = weight64 * beta[read].reshape(*read.shape, *spatial)
+        bias = (base + per_input.reshape(per_input.shape[0], -1).sum(-1)).to(conv.weight.dtype)
     return FloatAffineMatch(site, weight, bias, shifted)
 
 
-def _shape_like(vector: torch.Tensor, axis: int, dtype: torch.dtype) -> torch.Tensor:
-    shape = [1] * 4
+def _shape_like(vector: torch.Tensor, axis: int, dtype: torch.dtype, rank: int) -> torch.Tensor:
+    shape = [1] * rank
     shape[axis] = vector.numel()
     return vector.to(dtype).reshape(shape[axis:])
 
@@ -337,7 +380,7 @@ def rewrite_float_affine(graph_module: GraphModule, match: FloatAffineMatch) -> 
         conv.weight_node, f"{conv.weight_node.target}_times_dyt_gamma", match.weight
     )
     args = list(conv.node.args)
-    if conv.node.target == _aten.conv2d.default and len(args) < 3:
+    if conv.node.target in (_aten.conv2d.default, *_LINEARS) and len(args) < 3:
         args.append(None)
     args[1] = weight_node
     if match.bias is not None:
@@ -353,7 +396,7 @@ def rewrite_float_affine(graph_module: GraphModule, match: FloatAffineMatch) -> 
         shifted = fresh(
             beta_like,
             f"{site.tanh.name}_dyt_beta_over_gamma",
-            _shape_like(match.shifted_beta, site.channel_axis, beta_value.dtype),
+            _shape_like(match.shifted_beta, site.channel_axis, beta_value.dtype, beta_value.dim()),
         )
         with graph.inserting_after(site.tanh):
             new_input = graph.call_function(_aten.add.Tensor, (site.tanh, shifted))
@@ -379,7 +422,7 @@ class FoldDyTAffineIntoConvFloatPass(ArmPass):
     def call(self, graph_module: GraphModule) -> PassResult:
         modified = False
         for node in list(graph_module.graph.nodes):
-            if node.op != "call_function" or node.target not in _CONVS:
+            if node.op != "call_function" or node.target not in (*_CONVS, *_LINEARS):
                 continue
             if not self.allowed_to_transform(node.meta):
                 continue

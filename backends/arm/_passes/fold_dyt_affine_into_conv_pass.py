@@ -202,6 +202,16 @@ def conv_is_plain(site: _Site) -> str | None:
     return None
 
 
+def alpha_is_in_the_table(site: _Site) -> str | None:
+    """Proven (and tested against the reference model) only once alpha is in the TABLE:
+    with the alpha multiply still feeding it, the rewrite has produced convs whose input
+    channels the reference model rejects, so it fails closed there."""
+    source = site.table.args[0]
+    if rescale_of(source) is not None and getattr(source.args[0], "target", None) == MUL:
+        return "alpha is still a multiply before the TABLE (not folded into it)"
+    return None
+
+
 def layout_is_unambiguous(site: _Site) -> str | None:
     if site.layout.permutes > 1 or site.layout.slices > 1:
         return (
@@ -459,6 +469,7 @@ def match_affine_into_conv(
         return None
     for predicate in (
         conv_is_plain,
+        alpha_is_in_the_table,
         layout_is_unambiguous,
         layout_is_exclusive,
         quantization_lines_up,

@@ -14,6 +14,12 @@ T is the composition of the integer path with the table InsertTableOpsPass
 would build for the tanh, evaluated with etfold's exact TOSA arithmetic, so the
 output codes are bit-identical to the unfolded lowering. Runs before
 InsertTableOpsPass (the tanh must still be an aten.tanh).
+
+On Ethos-U, declines when x is read by anything besides the alpha multiply (a
+residual stream, say). Vela fuses a TABLE into its producer as that op's
+activation: unfolded the TABLE rides free behind the MUL, whose output only it
+reads; folded it would read x, which other ops read too, and run as an op of its
+own, which costs more cycles than the MUL it removes. Other TOSA targets fold.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from etfold.backends.arm._passes.graph_utils import (
     fresh_constant_name,
     tensor_digest,
 )
+from etfold.backends.arm._passes.lowering_target import ethos_u_target
 from etfold.backends.arm._passes.tosa_integer import Rescale, fits_int32
 from etfold.decisions import Declined
 
@@ -154,6 +161,18 @@ def activation_qargs_agree(site: _Site, activation_operand: Node, index: int) ->
     return qargs
 
 
+def table_stays_fused_on_the_npu(activation_operand: Node) -> str | None:
+    target = ethos_u_target()
+    if target is None:
+        return None
+    if len(activation_operand.args[0].users) != 1 or len(activation_operand.users) != 1:
+        return (
+            f"on {target} the TABLE is free as the alpha multiply's fused activation; folded it "
+            "would read an activation other ops also read (a residual) and run standalone"
+        )
+    return None
+
+
 def product_stays_in_int32(activation: Rescale, alpha: Int32Constant) -> str | None:
     if not fits_int32(activation.apply(_INT8_CODES) * int(alpha.values.reshape(()))):
         return "the int32 alpha product overflows for some int8 input"
@@ -200,6 +219,8 @@ def match_alpha_into_table(
     activation_index = 1 - scalar[0]
     activation_operand = operands[activation_index]
     if reason := activation_is_int8_rescale(activation_operand):
+        return Declined(reason)
+    if reason := table_stays_fused_on_the_npu(activation_operand):
         return Declined(reason)
     activation_qargs = activation_qargs_agree(site, activation_operand, activation_index)
     if isinstance(activation_qargs, str):

@@ -37,10 +37,13 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from etfold.backends.arm._passes.carried_state import carried_region
 from etfold.backends.arm._passes.graph_utils import (
+    axis_through_view,
     constant_tensor,
     create_constant,
     delete_constant_if_unused,
     fresh_constant_name,
+    is_inference_noop,
+    is_layout,
     tensor_digest,
 )
 from etfold.decisions import Declined, record_applied, record_declined
@@ -115,29 +118,6 @@ _LAYERS: dict[object, ConvSignature] = {
     exir_ops.edge.aten.linear.default: _LINEAR,
 }
 
-_aten = torch.ops.aten
-_PERMUTES = {
-    _aten.permute.default,
-    _aten.permute_copy.default,
-    exir_ops.edge.aten.permute_copy.default,
-}
-_TRANSPOSES = {_aten.transpose.int, _aten.transpose_copy.int, _aten.t.default}
-_VIEWS = {
-    _aten.view.default,
-    _aten.reshape.default,
-    _aten._unsafe_view.default,
-    _aten.view_copy.default,
-    exir_ops.edge.aten.view_copy.default,
-}
-_IDENTITIES = {
-    _aten.clone.default,
-    _aten.alias.default,
-    _aten.detach.default,
-    exir_ops.edge.aten.clone.default,
-    exir_ops.edge.aten.alias_copy.default,
-}
-_DROPOUTS = {_aten.dropout.default, _aten.feature_dropout.default}
-
 
 @dataclass(frozen=True)
 class ConvScaleMatch:
@@ -182,37 +162,13 @@ def _static_shape(node: object) -> tuple[int, ...] | None:
     return tuple(value.shape)
 
 
-def _is_inference_noop(node: Node) -> bool:
-    if node.target in _IDENTITIES:
-        return True
-    if node.target in _DROPOUTS:
-        p, train = _arg(node, 1, "p", 0.5), _arg(node, 2, "train", True)
-        return train is False or p == 0
-    return False
-
-
 def is_transparent(node: object) -> bool:
     """A layout op or an inference no-op: it reorders or passes values, never mixes them."""
     if not isinstance(node, Node) or node.op != "call_function" or not node.args:
         return False
     if not isinstance(node.args[0], Node):
         return False
-    layout = node.target in _PERMUTES or node.target in _TRANSPOSES or node.target in _VIEWS
-    return layout or _is_inference_noop(node)
-
-
-def _axis_through_view(source: tuple[int, ...], result: tuple[int, ...], axis: int) -> int | None:
-    """Where `axis` of `source` lands in `result` when it stays whole: the same
-    number of elements before it, and its own size, in both shapes."""
-    before = 1
-    for size in source[:axis]:
-        before *= size
-    seen = 1
-    for index, size in enumerate(result):
-        if seen == before and size == source[axis]:
-            return index
-        seen *= size
-    return None
+    return is_layout(node) or is_inference_noop(node)
 
 
 def channel_axis_after(node: Node, axis: int) -> int | None:
@@ -220,17 +176,16 @@ def channel_axis_after(node: Node, axis: int) -> int | None:
     source, result = _static_shape(node.args[0]), _static_shape(node)
     if source is None or result is None:
         return None
-    if node.target in _PERMUTES:
+    kind = str(getattr(node.target, "_name", node.target)).split(".")[0]
+    if kind in ("aten::permute", "aten::permute_copy"):
         order = [d % len(source) for d in node.args[1]]
         return order.index(axis)
-    if node.target in _TRANSPOSES:
-        if node.target == _aten.t.default:
-            dims = (0, 1) if len(source) == 2 else (0, 0)
-        else:
-            dims = (int(node.args[1]) % len(source), int(node.args[2]) % len(source))
+    if kind in ("aten::transpose", "aten::transpose_copy", "aten::t"):
+        pair = (0, 1) if len(node.args) < 3 else (int(node.args[1]), int(node.args[2]))
+        dims = tuple(d % len(source) for d in pair)
         return dims[1] if axis == dims[0] else dims[0] if axis == dims[1] else axis
-    if node.target in _VIEWS:
-        return _axis_through_view(source, result, axis)
+    if is_layout(node):
+        return axis_through_view(source, result, axis)
     return axis if source == result else None
 
 

@@ -19,6 +19,85 @@ from torch.fx import GraphModule, Node
 
 _WRITE_BACK_OUTPUTS = (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)
 
+_aten = torch.ops.aten
+# ops that move or pass values without computing: their output is their input's
+# values, so it is quantized (and rounded) exactly as their input is
+LAYOUT_OPS = frozenset(
+    {
+        _aten.permute.default,
+        _aten.permute_copy.default,
+        _aten.transpose.int,
+        _aten.transpose_copy.int,
+        _aten.t.default,
+        _aten.view.default,
+        _aten.reshape.default,
+        _aten._unsafe_view.default,
+        _aten.view_copy.default,
+        _aten.flatten.using_ints,
+        _aten.unflatten.int,
+    }
+)
+IDENTITY_OPS = frozenset(
+    {_aten.clone.default, _aten.alias.default, _aten.detach.default, _aten.alias_copy.default}
+)
+COPY_OPS = frozenset({_aten.copy.default, _aten.copy_.default})
+DROPOUT_OPS = frozenset({_aten.dropout.default, _aten.feature_dropout.default})
+# clamps the Arm quantizer annotates with their producer's quantization
+CLAMP_OPS = frozenset(
+    {
+        _aten.relu.default,
+        _aten.relu_.default,
+        _aten.relu6.default,
+        _aten.hardtanh.default,
+        _aten.clamp.default,
+    }
+)
+
+
+def _target_name(node: Node) -> str:
+    return str(getattr(node.target, "_name", node.target)).replace("::", ".")
+
+
+def _same_op(node: Node, ops: frozenset) -> bool:
+    """`node` calls one of `ops`, as an ATen or an Edge dialect operator."""
+    if node.target in ops:
+        return True
+    name = _target_name(node)
+    return any(name == str(op._name).replace("::", ".") for op in ops)
+
+
+def is_inference_noop(node: Node) -> bool:
+    """Identity at inference: clone/alias/detach, and dropout in eval or with p = 0."""
+    if node.op != "call_function":
+        return False
+    if _same_op(node, IDENTITY_OPS):
+        return True
+    if _same_op(node, DROPOUT_OPS):
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return train is False or p == 0
+    return False
+
+
+def is_layout(node: Node) -> bool:
+    return node.op == "call_function" and _same_op(node, LAYOUT_OPS)
+
+
+def keeps_input_quantization(node: Node) -> bool:
+    """Layout ops, inference no-ops and relu-like clamps: the output is rounded as the input is."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
+        return False
+    return is_layout(node) or is_inference_noop(node) or _same_op(node, CLAMP_OPS)
+
+
+def quantization_source(node: Node) -> Node | None:
+    """The node whose values (and rounding) `node` passes on unchanged, if any:
+    the input of a layout op, no-op or clamp; the source of a functional `copy`."""
+    if node.op == "call_function" and _same_op(node, COPY_OPS) and len(node.args) > 1:
+        source = node.args[1]
+        return source if isinstance(source, Node) else None
+    return node.args[0] if keeps_input_quantization(node) else None
+
 
 def tensor_digest(tensor: torch.Tensor, length: int = 10) -> str:
     """A short, deterministic name fragment for a tensor's dtype, shape and values."""
@@ -269,3 +348,25 @@ def _owned_by_graph_module(owner: torch.nn.Module, graph_module: GraphModule) ->
     # torch.export's unlifted modules hold attributes in plain containers made for
     # them; a user's own module class (a traced nn.Conv2d, say) is left alone.
     return owner is graph_module or type(owner) is torch.nn.Module
+
+
+def axis_through_view(source: tuple[int, ...], result: tuple[int, ...], axis: int) -> int | None:
+    """Where `axis` of `source` lands when a view reshapes `source` to `result`, if it
+    stays whole: the same number of elements before it, and its own size, in both."""
+    before = 1
+    for size in source[:axis]:
+        before *= size
+    seen = 1
+    for index, size in enumerate(result):
+        if seen == before and size == source[axis]:
+            return index
+        seen *= size
+    return None
+
+
+def axis_before_view(source: tuple[int, ...], result: tuple[int, ...], axis: int) -> int | None:
+    """The axis of `source` that a view to `result` turns into `axis` whole, if any."""
+    for candidate in range(len(source)):
+        if axis_through_view(source, result, candidate) == axis:
+            return candidate
+    return None
