@@ -558,8 +558,10 @@ def _guard_violation(case, journal) -> str | None:
         "spatial",
     )
     applied = [d for d in journal if d.fold == "arm.scalar_mul_into_conv" and d.applied]
-    if must_decline and applied:
-        return f"folded a {case.scale_kind} {case.scale_values} scale: {applied[0].where}"
+    foldable = 1 if case.share else 0  # the shared-weight branch has a finite per-channel scale
+    if must_decline and len(applied) > foldable:
+        where = ", ".join(d.where for d in applied)
+        return f"folded a {case.scale_kind} {case.scale_values} scale: {where}"
     return None
 
 
