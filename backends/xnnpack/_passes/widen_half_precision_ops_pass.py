@@ -104,6 +104,8 @@ def match_half_precision_op(node: torch.fx.Node) -> HalfPrecisionOp | Declined |
     if not has_tensor_metadata(node):
         return Declined("the op or one of its tensor arguments has no tensor metadata")
     dtype = source.dtype
+    if _tensor_meta(node).dtype is torch.float32:
+        return None  # asked to compute in fp32 already (softmax(x, dim, dtype=torch.float32))
     if not computes_in(node, dtype):
         return Declined(
             f"the op already returns {_tensor_meta(node).dtype}, not its input's {dtype}"

@@ -195,13 +195,25 @@ def test_declines_when_a_tensor_argument_has_no_metadata():
 
 
 def test_declines_when_the_op_already_returns_another_dtype():
-    class CumsumToFp32(torch.nn.Module):
+    class CumsumToFp64(torch.nn.Module):
         def forward(self, x):
-            return torch.cumsum(x, -1, dtype=torch.float32)
+            return torch.cumsum(x, -1, dtype=torch.float64)
 
     x = torch.randn(2, 256).half()
-    program = torch.export.export(CumsumToFp32(), (x,))
-    _assert_declined(program, "the op already returns torch.float32, not its input's torch.float16")
+    program = torch.export.export(CumsumToFp64(), (x,))
+    _assert_declined(program, "the op already returns torch.float64, not its input's torch.float16")
+
+
+def test_an_op_asked_to_compute_in_fp32_is_left_alone_silently():
+    class SoftmaxInFp32(torch.nn.Module):
+        def forward(self, x):
+            return torch.softmax(x, -1, dtype=torch.float32)
+
+    program = torch.export.export(SoftmaxInFp32(), (torch.randn(2, 256).half(),))
+    before = str(program.graph)
+    with collect_decisions() as decisions:
+        widen_half_precision_ops(program)
+    assert str(program.graph) == before and not decisions
 
 
 def test_declines_when_a_tensor_argument_is_neither_half_nor_fp32():
