@@ -1,0 +1,200 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Arm folds on the NPU: Vela's cycle estimate, stock vs etfold vs unfolded, per target.
+
+    .venv/bin/python bench/bench_arm_npu.py [--models NAME ...] [--targets T ...]
+                                            [--rollout-steps N]
+
+1. Every Arm report model in `etfold.demo_models.arm_npu_blocks` (plus the DyT
+   ConvNeXt block), quantized for each Ethos-U target and lowered through
+   ExecuTorch's EthosUPartitioner three ways: unfolded (neither upstream's fold
+   nor etfold's), stock ExecuTorch, and etfold (`arm_folds_registered()`).
+   Printed per model and target: Vela's total cycles, NPU cycles, the TOSA MUL
+   and total operator counts Vela was handed, and the ratios etfold/stock and
+   etfold/unfolded. Vela's estimate is deterministic: no repeats, no spread.
+2. Carried state: the GRU-like cell rolled for N steps (default 1,000) on the
+   TOSA reference model, carrying its hidden state, lowered unfolded (what the
+   carried-state guard keeps), folded (stock's unguarded fold) and with etfold;
+   the drift in output LSB against fp32 eager rolled the same way, as the mean
+   error over the first and last tenth of the rollout and the least-squares
+   slope in LSB per step, beside each lowering's Vela cycles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import logging
+import warnings
+
+import torch
+
+from etfold.backends.arm import arm_folds_registered
+from etfold.backends.arm.registration import upstream_folds_retired
+from etfold.decisions import collect_decisions
+from etfold.demo_models import all_models
+from etfold.harness.tosa_runner import lower_module_tosa, output_scales, run_carried
+from etfold.harness.vela import TARGETS, lower_module_ethos_u
+
+FLAVOURS = {
+    "unfolded": upstream_folds_retired,
+    "stock": contextlib.nullcontext,
+    "etfold": arm_folds_registered,
+}
+DEFAULT_MODELS = (
+    "convnext_layerscale_block",
+    "vit_dyt_layerscale_block",
+    "dyt_convnext_block",
+    "bn_free_conv_net",
+    "gru_conv_cell",
+)
+
+
+def _ops(counts) -> int:
+    return sum(v for k, v in counts.items() if not k.startswith("CONST"))
+
+
+_measured: dict[tuple[str, str], dict[str, tuple]] = {}
+
+
+def measure(model, target: str) -> dict[str, tuple]:
+    """Vela's estimate, TOSA operator counts and decisions per lowering (computed once)."""
+    if (model.name, target) not in _measured:
+        _measured[model.name, target] = _measure(model, target)
+    return _measured[model.name, target]
+
+
+def _measure(model, target: str) -> dict[str, tuple]:
+    module, inputs = model.build()
+    calibration = model.calibration()
+    results = {}
+    for flavour, context in FLAVOURS.items():
+        with context(), collect_decisions() as decisions:
+            program = lower_module_ethos_u(
+                copy.deepcopy(module), inputs, target, calibration=calibration
+            )
+        results[flavour] = (program.estimate, program.operator_counts(), list(decisions))
+    return results
+
+
+def print_row(name: str, target: str, results: dict[str, tuple]) -> None:
+    stock, etfold, unfolded = (results[f][0] for f in ("stock", "etfold", "unfolded"))
+    counts = {f: results[f][1] for f in FLAVOURS}
+    print(
+        f"{name:<27} {target:<14} "
+        f"{unfolded.total_cycles:>9} {stock.total_cycles:>9} {etfold.total_cycles:>9} "
+        f"{etfold.total_cycles / stock.total_cycles:>7.3f} "
+        f"{etfold.total_cycles / unfolded.total_cycles:>7.3f} "
+        f"{etfold.npu_cycles / stock.npu_cycles:>7.3f} "
+        f"{counts['stock']['MUL']:>3}/{counts['etfold']['MUL']:<3} "
+        f"{_ops(counts['stock']):>4}/{_ops(counts['etfold']):<4}"
+    )
+
+
+def bench_models(names, targets) -> None:
+    models = {m.name: m for m in all_models() if m.backend == "arm"}
+    print("Vela total cycles (unfolded, stock, etfold); ratios etfold/stock, etfold/unfolded;")
+    print("NPU-cycle ratio etfold/stock; TOSA MULs and operators stock/etfold")
+    print(
+        f"{'model':<27} {'target':<14} {'unfolded':>9} {'stock':>9} {'etfold':>9} "
+        f"{'e/s':>7} {'e/u':>7} {'npu e/s':>7} {'MUL s/e':>7} {'ops s/e':>9}"
+    )
+    notes = []
+    for name in names:
+        for target in targets:
+            results = measure(models[name], target)
+            print_row(name, target, results)
+            for decision in results["etfold"][2]:
+                verb = "applied" if decision.applied else "declined"
+                notes.append(
+                    f"  {name} {target}: {decision.fold} {verb} at {decision.where}: {decision.detail}"
+                )
+    print("etfold decisions:")
+    print("\n".join(dict.fromkeys(notes)))
+
+
+ROLLOUT_MODELS = ("gru_conv_cell", "recurrent_conv_cell_int8")
+
+
+def _rollout_errors(program, module, steps) -> tuple[list[float], list[torch.Tensor]]:
+    """Per step: mean |lowered - fp32 eager| in output LSB, both rolled from a zero state."""
+    eager = copy.deepcopy(module)
+    zero = {name: torch.zeros_like(b) for name, b in eager.named_buffers()}
+    for buffer in eager.buffers():
+        buffer.zero_()
+    lsb = output_scales(program)[0]
+    outputs = [r.outputs[0] for r in run_carried(program, steps, buffers=zero)]
+    errors = []
+    with torch.no_grad():
+        for out, inputs in zip(outputs, steps, strict=True):
+            errors.append(float((out - eager(*inputs)).abs().mean()) / lsb)
+    return errors, [torch.round(o / lsb) for o in outputs]
+
+
+def _slope(values: list[float]) -> float:
+    t = torch.arange(len(values), dtype=torch.float64)
+    v = torch.tensor(values, dtype=torch.float64)
+    t = t - t.mean()
+    return float((t * (v - v.mean())).sum() / (t * t).sum())
+
+
+def bench_rollout(step_count: int, targets) -> None:
+    models = {m.name: m for m in all_models() if m.backend == "arm"}
+    print(f"\ncarried state: {step_count}-step rollout on the TOSA reference model (INT)")
+    print("error = mean |lowered - fp32 eager| per step, in output LSB; slope in LSB/step;")
+    print("codes = steps whose output codes equal the unfolded lowering's; cycles from Vela")
+    header = (
+        f"{'model':<26} {'lowering':<9} {'first10%':>8} {'last10%':>8} {'slope':>10} {'codes':>6}"
+    )
+    print(header + "".join(f" {t:>14}" for t in targets))
+    for name in ROLLOUT_MODELS:
+        model = models[name]
+        module, inputs = model.build()
+        generator = torch.Generator().manual_seed(11)
+        steps = [(torch.randn(inputs[0].shape, generator=generator),) for _ in range(step_count)]
+        cycles = {t: measure(model, t) for t in targets}
+        unfolded_codes = None
+        for flavour, context in FLAVOURS.items():
+            with context(), collect_decisions() as decisions:
+                program, _ = lower_module_tosa(
+                    copy.deepcopy(module), inputs, calibration=model.calibration()
+                )
+            errors, codes = _rollout_errors(program, module, steps)
+            if unfolded_codes is None:
+                unfolded_codes = codes
+            same = sum(torch.equal(a, b) for a, b in zip(codes, unfolded_codes, strict=True))
+            tenth = max(1, step_count // 10)
+            row = (
+                f"{name:<26} {flavour:<9} {sum(errors[:tenth]) / tenth:>8.3f} "
+                f"{sum(errors[-tenth:]) / tenth:>8.3f} {_slope(errors):>10.2e} {same:>6}"
+            )
+            print(row + "".join(f" {cycles[t][flavour][0].total_cycles:>14}" for t in targets))
+            if flavour == "etfold":
+                for decision in decisions:
+                    verb = "applied" if decision.applied else "declined"
+                    print(f"    {decision.fold} {verb} at {decision.where}: {decision.detail}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(DEFAULT_MODELS))
+    parser.add_argument("--targets", nargs="*", default=list(TARGETS))
+    parser.add_argument("--rollout-steps", type=int, default=1000)
+    parser.add_argument("--skip-rollout", action="store_true")
+    args = parser.parse_args()
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    if args.models:
+        bench_models(args.models, args.targets)
+    if not args.skip_rollout:
+        bench_rollout(args.rollout_steps, args.targets)
+
+
+if __name__ == "__main__":
+    main()
