@@ -96,7 +96,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show third-party warnings, runtime messages and fold decisions as they happen",
     )
-    rep.add_argument("--debug", action="store_true", help="print tracebacks of failures")
+    rep.add_argument(
+        "--debug", action="store_true", help="print tracebacks of failures (nothing is captured)"
+    )
     return parser
 
 
@@ -231,7 +233,7 @@ def _run_models(models, args, progress: TextIO) -> list:
         start = time.perf_counter()
         print(f"[{index}/{len(models)}] {model.name} ({model.backend}) … ", end="", file=progress)
         progress.flush()
-        with _chatter_captured(not args.verbose):
+        with _chatter_captured(not (args.verbose or args.debug)):
             rows = report.evaluate(model, timing=plan, npu=not args.no_npu, debug=args.debug)
         elapsed = time.perf_counter() - start
         print(f"{elapsed:.1f} s, {_outcome_line(rows)}", file=progress, flush=True)
@@ -249,11 +251,11 @@ def _models_to_run(args, progress: TextIO) -> list:
         entry = demo_models.CatalogueEntry(args.program, backend, "", "")
         if entry.missing_extras():
             raise _UsageError(f"--backend {backend} needs {_extras_text(entry.missing_extras())}")
-        with _chatter_captured(not args.verbose):
+        with _chatter_captured(not (args.verbose or args.debug)):
             report.load_user_program(args.program)  # bad input fails here, before any lowering
         return [report.user_program(args.program, backend)]
     entries = _skip_unavailable(_select(args, demo_models.catalogue()), progress)
-    with _chatter_captured(not args.verbose):
+    with _chatter_captured(not (args.verbose or args.debug)):
         return demo_models.load(entries)
 
 

@@ -126,6 +126,18 @@ def test_a_program_that_fails_to_lower(capfd, tmp_path):
     assert out.count("FAILED: RuntimeError: Missing out variants") == 2
 
 
+def test_a_lowering_failure_with_debug_shows_its_traceback(capfd, tmp_path):
+    lib, op = _custom_op_library("etfold_cli_no_out_debug")
+    try:
+        path = _save(tmp_path, CustomOp(op), (torch.randn(2, 3),))
+        code, _, err = _run(capfd, ["report", "--program", str(path), "--debug", *FAST])
+    finally:
+        lib._destroy()
+    assert code == 1
+    assert any(line.startswith("Traceback") for line in err)
+    assert "RuntimeError: Missing out variants: {'etfold_cli_no_out_debug::twice'}" in err
+
+
 @pytest.mark.parametrize(
     "argv, fragment",
     [
