@@ -108,7 +108,7 @@ class BNFreeConvNet(torch.nn.Module):
 
 
 class GRUConvCell(torch.nn.Module):
-    """h <- (1 - z) * h + z * n, z = sigmoid(conv_z([x, h]) * s_z), n = tanh(conv_n([x, h]) * s_n)."""
+    """h <- h + z * (n - h), z = sigmoid(conv_z([x, h]) * s_z), n = tanh(conv_n([x, h]) * s_n)."""
 
     def __init__(self, channels: int = 4, size: int = 8):
         super().__init__()
@@ -121,7 +121,7 @@ class GRUConvCell(torch.nn.Module):
         xh = torch.cat([x, self.h], dim=1)
         z = torch.sigmoid(self.conv_z(xh) * self.scale_z)
         n = torch.tanh(self.conv_n(xh) * 0.5)
-        h = (1 - z) * self.h + z * n
+        h = self.h + z * (n - self.h)
         self.h.copy_(h)
         return h
 
