@@ -63,6 +63,26 @@ def _state_file(state_dir: Path, family: str, seed: int) -> Path:
     return state_dir / f"{family}-seed{seed}.jsonl"
 
 
+def _inflight(state_dir: Path, family: str, seed: int) -> Path:
+    return state_dir / f"{family}-seed{seed}.inflight"
+
+
+def _recover(state_dir: Path, family: str, seed: int, records: list[dict]) -> None:
+    """A case that was started and never recorded took the process down (a native crash in
+    a runtime): record it as such, so a resumed run moves past it instead of retrying it."""
+    marker = _inflight(state_dir, family, seed)
+    if not marker.exists():
+        return
+    index = int(marker.read_text())
+    if index == len(records):
+        record = {"verdict": "process_crash", "detail": "the process died running this case"}
+        record.update(index=index, case=repr(draw_case(family, seed, index)), seconds=None)
+        records.append(record)
+        with _state_file(state_dir, family, seed).open("a") as out:
+            out.write(json.dumps(record) + "\n")
+    marker.unlink()
+
+
 def _recorded(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -109,6 +129,7 @@ def summary_line(family: str, records: list[dict], seed: int) -> str:
         f" mutations {verdicts['mutation']}, timeouts {verdicts['timeout']};"
         f" more delegates {verdicts['more_delegates'] - _pending(records, 'more_delegates')},"
         f" upstream wrong {verdicts['upstream_wrong']}, harness errors {verdicts['harness_error']},"
+        f" process crashes {verdicts['process_crash']},"
         f" known pending total {pending}"
     )
 
@@ -118,7 +139,7 @@ def _pending(records: list[dict], verdict: str) -> int:
 
 
 def failed(records: list[dict]) -> bool:
-    hard = ("wrong", "crash_etfold", "mutation", "more_delegates")
+    hard = ("wrong", "crash_etfold", "mutation", "more_delegates", "process_crash")
     return any(r["verdict"] in hard and not r.get("known_pending") for r in records)
 
 
@@ -138,16 +159,21 @@ def main(argv: list[str] | None = None) -> int:
     deadline = None if args.budget is None else time.monotonic() + 60 * args.budget
     signal.signal(signal.SIGALRM, _on_alarm)
     records = {f: _recorded(_state_file(args.state_dir, f, args.seed)) for f in args.families}
+    for family in args.families:
+        _recover(args.state_dir, family, args.seed, records[family])
     # round-robin over the families, so a budget cut leaves every family sampled
     while not args.summary_only:
         pending = [f for f in args.families if len(records[f]) < per_family]
         if not pending or (deadline is not None and time.monotonic() > deadline):
             break
         family = min(pending, key=lambda f: len(records[f]))
+        marker = _inflight(args.state_dir, family, args.seed)
+        marker.write_text(str(len(records[family])))
         record = run_one(family, args.seed, len(records[family]), args.timeout)
         records[family].append(record)
         with _state_file(args.state_dir, family, args.seed).open("a") as out:
             out.write(json.dumps(record) + "\n")
+        marker.unlink()
         if record["verdict"] not in ("ok", "upstream_wrong", "crash_both"):
             print(f"[{family} #{record['index']}] {record['verdict']}: {record['detail']}")
             print(f"    {record['case']}", flush=True)

@@ -73,3 +73,15 @@ def test_a_wrong_program_fails_the_run_and_a_spent_budget_starts_nothing(
     ran.clear()
     assert fuzz.main(["--cases", "40", "--state-dir", str(tmp_path), "--budget", "0"]) == 1
     assert ran == []
+
+
+def test_a_case_that_killed_the_process_is_recorded_and_skipped_on_resume(
+    fuzz, monkeypatch, tmp_path
+):
+    ran = _recorder(fuzz, monkeypatch, {})
+    (tmp_path / "dyt-seed0.inflight").write_text("0")  # a run died inside dyt case 0
+    assert fuzz.main(["--cases", "8", "--state-dir", str(tmp_path)]) == 1
+    recorded = [json.loads(x) for x in (tmp_path / "dyt-seed0.jsonl").read_text().splitlines()]
+    assert [(r["index"], r["verdict"]) for r in recorded] == [(0, "process_crash"), (1, "ok")]
+    assert ("dyt", 0) not in ran and ("dyt", 1) in ran
+    assert not list(tmp_path.glob("*.inflight"))
