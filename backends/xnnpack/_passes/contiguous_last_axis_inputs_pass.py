@@ -25,6 +25,7 @@ import torch
 from torch.export import ExportedProgram
 
 from etfold.decisions import Declined, record_applied, record_declined
+from etfold.exir.program.working_copy import copy_for_rewrite
 
 FOLD = "xnnpack.contiguous_last_axis_input"
 
@@ -94,17 +95,23 @@ def rewrite_channels_last_normalization(match: ChannelsLastNormalization) -> Non
     )
 
 
-def read_last_axis_normalizations_contiguous(program: ExportedProgram) -> ExportedProgram:
-    """Rewrite every match in place; the same program object comes back."""
+def _matches(program: ExportedProgram, record: bool) -> list[ChannelsLastNormalization]:
     matches = []
     for node in program.graph.nodes:
         match = match_channels_last_normalization(node)
-        if isinstance(match, Declined):
+        if isinstance(match, Declined) and record:
             record_declined(FOLD, node.name, match.reason)
-        elif match is not None:
+        elif isinstance(match, ChannelsLastNormalization):
             matches.append(match)
-    for match in matches:
+    return matches
+
+
+def read_last_axis_normalizations_contiguous(program: ExportedProgram) -> ExportedProgram:
+    """The same program back when nothing matches; otherwise a rewritten copy."""
+    if not _matches(program, record=True):
+        return program
+    program = copy_for_rewrite(program)
+    for match in _matches(program, record=False):
         rewrite_channels_last_normalization(match)
-    if matches:
-        program.graph_module.recompile()
+    program.graph_module.recompile()
     return program

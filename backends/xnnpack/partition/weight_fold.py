@@ -40,7 +40,6 @@ from etfold.exir.passes.constant_prop_pass import (
     allocates_memory,
     constant_prop_pass,
     fold_expression,
-    is_fill_factory,
     is_impure,
     is_nondeterministic,
     is_quant_primitive,
@@ -48,8 +47,10 @@ from etfold.exir.passes.constant_prop_pass import (
 from etfold.exir.passes.graph_walk import constant_sources, input_kinds
 from etfold.exir.program.buffer_marks import BUFFER_FOLD_BLOCKERS, state_writes
 from etfold.exir.program.lower import SHARED_ACROSS_METHODS
+from etfold.exir.program.working_copy import copy_for_rewrite
 
 FOLD = "xnnpack.fold_gemm_weight"
+GROWTH_FLOOR_BYTES = 64 * 1024
 # placeholder meta the fold reads; a retrace may drop it ("custom" holds external-file tags)
 _CARRIED_MARKS = (SHARED_ACROSS_METHODS, BUFFER_FOLD_BLOCKERS, "custom")
 
@@ -113,10 +114,13 @@ def seed_slots(configs: Iterable) -> dict[torch._ops.OpOverloadPacket, GemmSlots
     return slots
 
 
+VALUE = "value"  # a seed that is a constant-only tensor read by a runtime op, not a GEMM slot
+
+
 @dataclass(frozen=True)
 class Seed:
-    gemm: torch.fx.Node
-    position: str  # "weight" or "bias"
+    gemm: torch.fx.Node  # for a VALUE seed, the seed node itself
+    position: str  # "weight", "bias" or VALUE
     value: torch.fx.Node
 
     @property
@@ -149,6 +153,7 @@ class FoldGroup:
 class WeightFoldPlan:
     groups: tuple[FoldGroup, ...]
     declined: tuple[tuple[Seed, str], ...]
+    growth: int = 0  # bytes the accepted growing groups add, net
 
     @property
     def nodes_to_fold(self) -> frozenset[torch.fx.Node]:
@@ -275,6 +280,43 @@ def find_seeds(program: ExportedProgram, slots: dict) -> list[Seed]:
     return seeds
 
 
+def constant_only_nodes(program: ExportedProgram) -> set[torch.fx.Node]:
+    """Forward scan: nodes computed from foldable static state and literals alone."""
+    written = state_writes(program)
+    fqn_of = {
+        spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.target
+    }
+
+    def source_verdict(node):
+        return _source_verdict(program, node, written, fqn_of)
+
+    constant: set[torch.fx.Node] = set()
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            if source_verdict(node) is None:
+                constant.add(node)
+        elif _op_verdict(node) is None and all(p in constant for p in node.all_input_nodes):
+            constant.add(node)
+    return constant
+
+
+def find_constant_frontier(program: ExportedProgram) -> list[Seed]:
+    """Constant-only tensors that something computed from user input reads.
+
+    Each is the root of a subgraph that would otherwise run on every call:
+    casts of parameters, `1 + weight`, rotary tables, masks from literals.
+    """
+    constant = constant_only_nodes(program)
+    return [
+        Seed(node, VALUE, node)
+        for node in program.graph.nodes
+        if node in constant
+        and node.op == "call_function"
+        and _is_tensor_value(node)
+        and any(u not in constant and not is_export_check(u) for u in node.users)
+    ]
+
+
 def _source_verdict(
     program: ExportedProgram,
     node: torch.fx.Node,
@@ -308,8 +350,6 @@ def _op_verdict(node: torch.fx.Node) -> Declined | None:
         return Declined(f"`{node.name}` is a {node.op} node")
     if not is_known_pure_target(node):
         return Declined(f"`{node.name}` calls {node.target}, which is not an ATen op")
-    if is_fill_factory(node):
-        return Declined(f"`{node.name}` is a fill factory ({_packet(node)}), kept as an op")
     if is_quant_primitive(node):
         return Declined(
             f"`{node.name}` is a quantization op ({node.target}); the Q/DQ chain stays as it came"
@@ -410,6 +450,22 @@ def _placeholders_under(node: torch.fx.Node) -> set[torch.fx.Node]:
     return found
 
 
+def _has_effects(node: torch.fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    return node.target is torch.ops.higher_order.with_effects or is_impure(node)
+
+
+def runtime_check_on(nodes: frozenset[torch.fx.Node]) -> torch.fx.Node | None:
+    """An effectful op outside the group reading its values (`_linalg_check_errors` on
+    `linalg_inv_ex`'s info): folding would skip a check the program runs."""
+    for node in sorted(nodes, key=lambda n: n.name):
+        for user in node.users:
+            if user not in nodes and not is_export_check(user) and _has_effects(user):
+                return user
+    return None
+
+
 def _read_outside(node: torch.fx.Node, inside: frozenset | set) -> bool:
     return any(u not in inside and not is_export_check(u) for u in node.users)
 
@@ -418,6 +474,9 @@ def _measure_group(closures: list[Closure], known: dict) -> FoldGroup | Declined
     nodes = frozenset().union(*(c.nodes for c in closures))
     # a multi-output op folds with every projection, read by the seed or not
     nodes |= {u for n in nodes for u in n.users if u.target is operator.getitem}
+    check = runtime_check_on(nodes)
+    if check is not None:
+        return Declined(f"`{check.name}` checks the folded values at runtime ({check.target})")
     sources = frozenset().union(*(c.sources for c in closures))
     # a non-tensor result read outside the fold stays an op, and so does what it reads
     kept = {n for n in nodes if not _is_tensor_value(n) and _read_outside(n, nodes)}
@@ -454,15 +513,22 @@ def _unlowerable_ops(group: FoldGroup) -> tuple[str, ...]:
     return tuple(sorted({str(n.target) for n in group.nodes if lowers_nowhere(n)}))
 
 
-def plan_weight_folds(program: ExportedProgram, slots: dict) -> WeightFoldPlan:
-    """Match: which seeds fold (grouped) and why the others stay dynamic."""
+def growth_budget(program: ExportedProgram) -> int:
+    """Bytes all growing folds together may add: max(64 KiB, 1 % of the constant bytes)."""
+    constant_bytes = sum(
+        _value_bytes(node) or 0 for node in program.graph.nodes if is_static_state(program, node)
+    )
+    return max(GROWTH_FLOOR_BYTES, constant_bytes // 100)
+
+
+def _closures(program: ExportedProgram, seeds: list[Seed]):
     written = state_writes(program)
     fqn_of = {
         spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.target
     }
     closures: list[Closure] = []
     declined: list[tuple[Seed, str]] = []
-    for seed in find_seeds(program, slots):
+    for seed in seeds:
         found = constant_closure(
             program, seed, lambda n: _source_verdict(program, n, written, fqn_of)
         )
@@ -472,27 +538,58 @@ def plan_weight_folds(program: ExportedProgram, slots: dict) -> WeightFoldPlan:
             closures.append(found)
     # a GEMM inside another seed's weight expression (orthogonal's matmul) folds with it
     inner = frozenset().union(*(c.nodes for c in closures))
-    closures = [c for c in closures if c.seed.gemm not in inner]
+    closures = [c for c in closures if c.seed.position == VALUE or c.seed.gemm not in inner]
     declined = [(seed, reason) for seed, reason in declined if seed.gemm not in inner]
+    return closures, declined
+
+
+def _within_budget(growing: list[FoldGroup], budget: int):
+    """Growing groups in order of least growth (largest net saving) until the budget is spent."""
+    accepted: list[FoldGroup] = []
+    declined: list[tuple[Seed, str]] = []
+    for group in sorted(growing, key=lambda g: (g.added_bytes - g.erased_bytes, g.added_bytes)):
+        growth = group.added_bytes - group.erased_bytes
+        if growth <= budget:
+            budget -= growth
+            accepted.append(group)
+            continue
+        reason = (
+            f"folding would grow the program by {growth} B (adds {group.added_bytes}, erases "
+            f"{group.erased_bytes}), past the {budget} B left of the growth budget"
+        )
+        declined.extend((c.seed, reason) for c in group.closures)
+    return accepted, declined
+
+
+def plan_weight_folds(
+    program: ExportedProgram, slots: dict, budget: int | None = None
+) -> WeightFoldPlan:
+    """Match: which constant-only subgraphs fold (grouped) and why the others stay ops.
+
+    budget: bytes growing folds may add (default: `growth_budget(program)`).
+    """
+    gemm_seeds = find_seeds(program, slots)
+    in_gemm_slots = {seed.value for seed in gemm_seeds}
+    frontier = [s for s in find_constant_frontier(program) if s.value not in in_gemm_slots]
+    seeds = gemm_seeds + frontier
+    closures, declined = _closures(program, seeds)
     known = constant_sources(program, fold_buffers=True)[0] if closures else {}
     groups: list[FoldGroup] = []
+    growing: list[FoldGroup] = []
     for members in _group_closures(closures):
         group = _measure_group(members, known)
-        unlowerable = _unlowerable_ops(group) if isinstance(group, FoldGroup) else []
-        if unlowerable:
-            group = dataclasses.replace(group, must_fold=unlowerable)
-        elif isinstance(group, FoldGroup) and not fits_size_budget(
-            group.added_bytes, group.erased_bytes
-        ):
-            group = Declined(
-                f"folding would add {group.added_bytes} bytes but erase only {group.erased_bytes} "
-                "(a source read outside the fold is not erased)"
-            )
         if isinstance(group, Declined):
             declined.extend((c.seed, group.reason) for c in members)
-        else:
+        elif unlowerable := _unlowerable_ops(group):
+            groups.append(dataclasses.replace(group, must_fold=unlowerable))
+        elif fits_size_budget(group.added_bytes, group.erased_bytes):
             groups.append(group)
-    return WeightFoldPlan(tuple(groups), tuple(declined))
+        else:
+            growing.append(group)
+    budget = growth_budget(program) if budget is None else budget
+    accepted, over_budget = _within_budget(growing, budget)
+    growth = sum(g.added_bytes - g.erased_bytes for g in accepted)
+    return WeightFoldPlan(tuple(groups + accepted), tuple(declined + over_budget), growth)
 
 
 # ---------------------------------------------------------------- rewrite
@@ -536,10 +633,12 @@ def _record(plan: WeightFoldPlan) -> None:
 
 
 def _drop_checks_on(nodes: frozenset[torch.fx.Node]) -> None:
-    """Export's metadata assertions on values about to become constants hold by construction."""
-    checks = {u for n in nodes for u in n.users if is_export_check(u)}
+    """Export's metadata assertions on constants and on values about to become constants
+    hold by construction; left in, they keep a folded-away source alive."""
+    reads = nodes | {p for n in nodes for p in n.all_input_nodes if p.op == "placeholder"}
+    checks = {u for n in reads for u in n.users if is_export_check(u)}
     for check in checks:
-        if all(p in nodes for p in check.all_input_nodes):
+        if all(p in reads for p in check.all_input_nodes):
             check.graph.erase_node(check)
 
 
@@ -548,6 +647,7 @@ def apply_weight_folds(program: ExportedProgram, plan: WeightFoldPlan) -> Export
     _drop_checks_on(plan.nodes_to_fold)
     return constant_prop_pass(
         program,
+        custom_skip_targets=(),  # the plan already excluded quantization ops; factories fold
         nodes_to_fold=set(plan.nodes_to_fold),
         # buffers are only in the plan once proven unwritten and read by this method alone
         fold_buffers=any(g.reads_buffers for g in plan.groups),
@@ -555,8 +655,95 @@ def apply_weight_folds(program: ExportedProgram, plan: WeightFoldPlan) -> Export
     )
 
 
-def fold_gemm_weights(program: ExportedProgram, slots: dict) -> ExportedProgram:
-    """The pre-decomposition hook body: the same object back unless something folds."""
+def _fold_once(program: ExportedProgram, slots: dict, budget: int | None):
+    """(program, growth): the same object back unless something folds."""
+    plan = plan_weight_folds(program, slots, budget)
+    if not plan.groups:
+        _record(plan)
+        return program, 0
+    # an in-place KV-cache write on a buffer must come out as a buffer mutation, not be folded away
+    functional = program.run_decompositions({})
+    _carry_marks(program, functional)
+    plan = plan_weight_folds(functional, slots, budget)
+    _record(plan)
+    if not plan.groups:
+        return functional, 0
+    return apply_weight_folds(functional, plan), plan.growth
+
+
+def _constants_feed_decomposed_ops(program: ExportedProgram, table, slots: dict) -> bool:
+    """A constant reaches an op whose decomposition may hold more constant-only work."""
+    kinds = input_kinds(program)
+    return any(
+        node.op == "call_function"
+        and node.target in table
+        and _packet(node) not in slots
+        and any(kinds.get(p.name) in _STATE_KINDS for p in node.all_input_nodes)
+        for node in program.graph.nodes
+    )
+
+
+_PROMOTING_OPS = frozenset(
+    {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.where.self}
+)
+
+
+def _promotions(program: ExportedProgram) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(op, constant operand) pairs where the operand is implicitly widened to the op's dtype."""
+    constant = constant_only_nodes(program)
+    found = []
+    for node in program.graph.nodes:
+        result = node.meta.get("val")
+        if node.op != "call_function" or node.target not in _PROMOTING_OPS:
+            continue
+        if not isinstance(result, torch.Tensor) or not result.dtype.is_floating_point:
+            continue
+        for operand in node.all_input_nodes:
+            value = operand.meta.get("val")
+            if operand not in constant or not isinstance(value, torch.Tensor):
+                continue
+            if not value.dtype.is_floating_point or value.dtype == result.dtype:
+                continue
+            if torch.promote_types(value.dtype, result.dtype) != result.dtype:
+                continue
+            found.append((node, operand))
+    return found
+
+
+def promote_constant_operands(program: ExportedProgram) -> ExportedProgram:
+    """Make a constant operand's implicit float promotion an explicit, foldable convert.
+
+        add(a: f32, m: bf16 constant)  ->  add(a, to_f32(m))
+
+    Edge lowering inserts the same convert later, where it runs on every call;
+    a widening float convert is exact. The same program back when there is none,
+    else a rewritten copy.
+    """
+    if not _promotions(program):
+        return program
+    program = copy_for_rewrite(program)
+    for node, operand in _promotions(program):
+        dtype = node.meta["val"].dtype
+        with program.graph.inserting_before(node):
+            widened = program.graph.call_function(
+                aten._to_copy.default, (operand,), {"dtype": dtype}
+            )
+        widened.meta["val"] = operand.meta["val"].to(dtype)
+        node.replace_input_with(operand, widened)
+    program.graph_module.recompile()
+    return program
+
+
+def fold_gemm_weights(
+    program: ExportedProgram, slots: dict, decomposition_table=None
+) -> ExportedProgram:
+    """The pre-decomposition hook body: the same object back unless something folds.
+
+    With `decomposition_table` (what the lowering will decompose), constant-only
+    work that only appears after decomposition (an attention mask turned into
+    `where(mask, 0, -inf)`) is folded on the decomposed program, within what is
+    left of the same growth budget.
+    """
     if is_training_program(program):
         record_declined(
             FOLD, "program", "training program (backward signature): parameters stay trainable"
@@ -564,15 +751,13 @@ def fold_gemm_weights(program: ExportedProgram, slots: dict) -> ExportedProgram:
         return program
     if not slots:
         return program
-    plan = plan_weight_folds(program, slots)
-    if not plan.groups:
-        _record(plan)
-        return program
-    # an in-place KV-cache write on a buffer must come out as a buffer mutation, not be folded away
-    functional = program.run_decompositions({})
-    _carry_marks(program, functional)
-    plan = plan_weight_folds(functional, slots)
-    _record(plan)
-    if not plan.groups:
-        return functional
-    return apply_weight_folds(functional, plan)
+    budget = growth_budget(program)
+    folded, growth = _fold_once(promote_constant_operands(program), slots, budget)
+    if decomposition_table is None or not _constants_feed_decomposed_ops(
+        folded, decomposition_table, slots
+    ):
+        return folded
+    decomposed = folded.run_decompositions(decomposition_table)
+    _carry_marks(folded, decomposed)
+    again, _ = _fold_once(promote_constant_operands(decomposed), slots, budget - growth)
+    return again if again is not decomposed else folded

@@ -16,6 +16,7 @@ from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
     XnnpackPartitioner as UpstreamXnnpackPartitioner,
 )
 from executorch.exir.backend.partitioner import DelegationSpec, PartitionResult
+from executorch.exir.program._program import _default_decomposition_table
 from torch.export import ExportedProgram
 
 from etfold.backends.xnnpack._passes.contiguous_last_axis_inputs_pass import (
@@ -77,7 +78,16 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         if not self.fold_weights:
             return exported_program
         slots = seed_slots(self.target_partitioner_configs.values())
-        return fold_gemm_weights(exported_program, slots)
+        return fold_gemm_weights(
+            exported_program, slots, self._decomposition_table(exported_program)
+        )
+
+    def _decomposition_table(self, exported_program: ExportedProgram) -> dict:
+        """What the lowering will decompose: ExecuTorch's table less the ops kept for XNNPACK."""
+        table = _default_decomposition_table()
+        for op in self.ops_to_not_decompose(exported_program)[0]:
+            table.pop(op, None)
+        return table
 
     # ---- end weight fold
 

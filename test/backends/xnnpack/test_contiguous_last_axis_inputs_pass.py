@@ -62,13 +62,15 @@ def test_rewrite_inserts_a_copy_in_and_restores_the_layout_out():
     program = torch.export.export(
         ChannelsLastConvThen("layer_norm").eval(), (torch.randn(1, 4, 5, 6),)
     )
-    before = _copies(program)
-    norm = next(n for n in program.graph.nodes if n.target == torch.ops.aten.layer_norm.default)
-    restores = is_channels_last(norm.meta["val"])
-    read_last_axis_normalizations_contiguous(program)
+    before, code = _copies(program), program.graph_module.code
+    original = next(n for n in program.graph.nodes if n.target == torch.ops.aten.layer_norm.default)
+    restores = is_channels_last(original.meta["val"])
+    rewritten = read_last_axis_normalizations_contiguous(program)
+    assert rewritten is not program and program.graph_module.code == code  # the user's is untouched
+    norm = next(n for n in rewritten.graph.nodes if n.target == torch.ops.aten.layer_norm.default)
     assert norm.args[0].target == torch.ops.aten._to_copy.default
     assert norm.args[0].kwargs["memory_format"] == torch.contiguous_format
-    assert _copies(program) == before + 1 + restores  # into contiguous, back where eager is
+    assert _copies(rewritten) == before + 1 + restores  # into contiguous, back where eager is
     assert match_channels_last_normalization(norm) is None  # idempotent
 
 
@@ -78,7 +80,7 @@ def test_leaves_contiguous_inputs_alone():
     )
     code = program.graph_module.code
     with collect_decisions() as decisions:
-        read_last_axis_normalizations_contiguous(program)
+        assert read_last_axis_normalizations_contiguous(program) is program
     assert program.graph_module.code == code and not decisions
 
 

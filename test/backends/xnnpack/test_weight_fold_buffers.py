@@ -204,9 +204,9 @@ def test_declines_when_the_buffer_was_never_judged():
     x = torch.randn(4, 16)
     program = torch.export.export(module, (x,))
     with collect_decisions() as decisions:
-        assert _hook(program) is program
-    assert len(_declined(decisions)) == 1
-    assert "was not judged across methods" in _declined(decisions)[0]
+        _hook(program)
+    weight = [d.detail for d in decisions if d.where == "linear.weight" and not d.applied]
+    assert weight and all("was not judged across methods" in reason for reason in weight)
     # through upstream's entry point nothing is marked: spectral_norm stays on portable ops
     lowered = lower_xnnpack(
         torch.export.export(module, (x,)), [XnnpackPartitioner()], lower=upstream_lower
@@ -256,7 +256,7 @@ def test_declines_when_a_parameter_is_shared_across_methods():
     with collect_decisions() as decisions:
         lowered = lower_xnnpack(programs, [XnnpackPartitioner()], lower=etfold_lower)
     declined = _declined(decisions)
-    assert len(declined) == 2 and all("is read by several methods" in r for r in declined)
+    assert len(declined) >= 2 and all("is read by several methods" in r for r in declined)
     for method in programs:
         assert_close(lowered.run(x, method=method), _eager(module, method, (x,)), atol=ATOL)
 

@@ -1,0 +1,34 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""A program etfold may rewrite in place, without touching the one it was handed.
+
+Upstream hands the user's own ATen program to `transform_for_pre_decomposition`.
+A pass that rewrites the graph in place works on this copy instead: the graph,
+its metadata and the signature are copied; the tensors (parameters, buffers,
+constants) are shared, since no etfold pass writes into a tensor.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch.export import ExportedProgram
+
+
+def copy_for_rewrite(program: ExportedProgram) -> ExportedProgram:
+    graph_module = copy.deepcopy(program.graph_module)
+    return ExportedProgram(
+        root=graph_module,
+        graph=graph_module.graph,
+        graph_signature=copy.deepcopy(program.graph_signature),
+        state_dict=dict(program.state_dict),
+        range_constraints=copy.copy(program.range_constraints),
+        module_call_graph=copy.deepcopy(program.module_call_graph),
+        example_inputs=program.example_inputs,
+        constants=dict(program.constants),
+        verifiers=[program.verifier],
+    )
