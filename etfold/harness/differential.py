@@ -75,6 +75,10 @@ KNOWN_UPSTREAM: tuple[tuple[str, str], ...] = (
         "to_edge: an op outside Core ATen (linalg_householder_product from orthogonal(householder))",
     ),
     (
+        r"is already in the inputs\. This is likely due to pass through arguments",
+        "XNNPACK preprocess: a delegate output that is also its input (a method returning a buffer it updates)",
+    ),
+    (
         r"Failed to execute method \w+, error: 0x1",
         "XNNPACK runtime rejects the delegate at init (a bf16 BMM: xnn_status_invalid_parameter)",
     ),
