@@ -124,9 +124,12 @@ ROLLOUT_MODELS = ("gru_conv_cell", "recurrent_conv_cell_int8")
 def _rollout_errors(program, module, steps) -> tuple[list[float], list[torch.Tensor]]:
     """Per step: mean |lowered - fp32 eager| in output LSB, both rolled from a zero state."""
     eager = copy.deepcopy(module)
-    zero = {name: torch.zeros_like(b) for name, b in eager.named_buffers()}
-    for buffer in eager.buffers():
-        buffer.zero_()
+    lowered = program.exported_program.module(check_guards=False)
+    carried = {name for name, _ in lowered.named_buffers()}
+    zero = {n: torch.zeros_like(b) for n, b in eager.named_buffers() if n in carried}
+    for name, buffer in eager.named_buffers():
+        if name in zero:
+            buffer.zero_()
     lsb = output_scales(program)[0]
     outputs = [r.outputs[0] for r in run_carried(program, steps, buffers=zero)]
     errors = []
