@@ -474,9 +474,9 @@ def test_declines_when_conv_output_reaches_carried_state():
             self.register_buffer("state", torch.zeros(1, 4, 6, 6))
 
         def forward(self, x, extra):
-            y = self.conv(x) * 2.0
-            self.state.copy_(y + extra)
-            return y
+            y = self.conv(x) * 2.0  # the multiply rounds the written-back state
+            self.state.copy_(y)
+            return y + extra
 
     assert _declines(WritesBack()) == fold.CARRIED_STATE
 
