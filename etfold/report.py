@@ -63,6 +63,7 @@ class Outcome:
     tosa_ops: dict[str, int] = field(default_factory=dict)
     npu_cycles: dict[str, dict[str, int]] = field(default_factory=dict)  # target -> Vela
     notes: list[str] = field(default_factory=list)
+    fp32_twin: dict[str, int] = field(default_factory=dict)  # {delegates, ops_outside}
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,22 @@ def _xnnpack_lowering(flavour: str, program, partitioner_kwargs: Mapping[str, An
     )
 
 
+def _measure_fp32_twin(outcome: Outcome, model: DemoModel) -> None:
+    """The same flavour's lowering of the model's fp32 twin: delegates and ops outside."""
+    import torch
+
+    from etfold.harness.modules import in_eval_mode
+
+    module, inputs = model.fp32_twin()
+    program = torch.export.export(in_eval_mode(module), inputs)
+    with collect_decisions():
+        lowered = _xnnpack_lowering(outcome.flavour, program, model.partitioner_kwargs)
+    outcome.fp32_twin = {
+        "delegates": lowered.delegates(),
+        "ops_outside": sum(lowered.ops_outside().values()),
+    }
+
+
 def _lower_xnnpack(outcome: Outcome, model: DemoModel) -> _Lowered:
     import torch
 
@@ -155,6 +172,8 @@ def _lower_xnnpack(outcome: Outcome, model: DemoModel) -> _Lowered:
     outcome.ops_outside = dict(lowered.ops_outside())
     outcome.pte_bytes = lowered.pte_bytes
     loads = [xnnpack_runner.load_program(lowered.executorch) for _ in range(INSTANCES - 1)]
+    if model.fp32_twin is not None:
+        _measure_fp32_twin(outcome, model)
     runs = [lambda: lowered.run(*inputs)]
     runs += [lambda load=load: load.run_method("forward", tuple(inputs)) for load in loads]
     return _Lowered(runs, lambda: lowered.run(*inputs))
@@ -482,9 +501,15 @@ def _folds_cell(o: Outcome) -> str:
 _COMMON = ("model", "lowering", "delegates", "ops outside", ".pte bytes")
 
 
+def _twin_cell(o: Outcome) -> str:
+    if not o.fp32_twin:
+        return "-"
+    return f"{o.fp32_twin['delegates']} / {o.fp32_twin['ops_outside']}"
+
+
 def _backend_table(outcomes: Sequence[Outcome], backend: str, targets: Sequence[str]) -> list[str]:
     if backend == "xnnpack":
-        extra = ("median ms (p10–p90)", "etfold/stock (p10–p90)")
+        extra = ("median ms (p10–p90)", "etfold/stock (p10–p90)", "fp32 twin deleg/outside")
     else:
         extra = ("TOSA ops", *(f"{t} cycles" for t in targets))
     header = (*_COMMON, *extra, "max err", "folds")
@@ -494,7 +519,7 @@ def _backend_table(outcomes: Sequence[Outcome], backend: str, targets: Sequence[
             rows.append((o.model, o.flavour, *["-"] * (len(header) - 3), f"FAILED: {o.failure}"))
             continue
         if backend == "xnnpack":
-            cells = _latency_cells(o)
+            cells = (*_latency_cells(o), _twin_cell(o))
         else:
             cells = (_ops_text(o.tosa_ops, 3), *(_cycles_cell(o, t) for t in targets))
         rows.append(

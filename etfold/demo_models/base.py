@@ -34,3 +34,5 @@ class DemoModel:
     calibration: Callable[[], list[tuple[torch.Tensor, ...]]] = field(default=lambda: [])
     partitioner_kwargs: Mapping[str, Any] = field(default_factory=dict)
     requires: tuple[str, ...] = ()
+    # a mixed-precision model's fp32 twin: the report shows its delegates and ops outside
+    fp32_twin: Callable[[], Built] | None = None

@@ -168,12 +168,26 @@ class ExplicitGemms(AutocastGemms):
         return contextlib.nullcontext()
 
 
+class Fp32Gemms(ExplicitGemms):
+    """No casts at all: the fp32 twin the bf16 programs are measured against."""
+
+    @staticmethod
+    def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return layer(x)
+
+    @staticmethod
+    def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a @ b
+
+
 class TinyDecoder(torch.nn.Module):
-    """Qwen2-style, fp32 weights, bf16 GEMMs (`cast` "autocast" or "explicit")."""
+    """Qwen2-style, fp32 weights, bf16 GEMMs (`cast` "autocast" or "explicit"; "fp32": none)."""
 
     def __init__(self, cast: str, hidden: int = 128, heads: int = 4, layers: int = 2):
         super().__init__()
-        self.gemm = {"autocast": AutocastGemms, "explicit": ExplicitGemms}[cast]()
+        self.gemm = {"autocast": AutocastGemms, "explicit": ExplicitGemms, "fp32": Fp32Gemms}[
+            cast
+        ]()
         self.embed = torch.nn.Embedding(VOCAB, hidden)
         self.layers = torch.nn.ModuleList(
             DecoderLayer(hidden, heads, self.gemm) for _ in range(layers)
@@ -216,11 +230,13 @@ MODELS = [
         "xnnpack",
         lambda: (tiny_decoder("autocast"), (token_ids(),)),
         "Qwen2-style decoder, fp32 weights, exported under torch.autocast(bfloat16)",
+        fp32_twin=lambda: (tiny_decoder("fp32"), (token_ids(),)),
     ),
     DemoModel(
         "decoder_explicit_bf16",
         "xnnpack",
         lambda: (tiny_decoder("explicit"), (token_ids(),)),
         "the same decoder with autocast's casts written out (its explicitly cast twin)",
+        fp32_twin=lambda: (tiny_decoder("fp32"), (token_ids(),)),
     ),
 ]

@@ -96,6 +96,7 @@ MODELS = [
         "xnnpack",
         _gemma3(torch.bfloat16),
         "Gemma3 (2 layers, hidden 256) in bf16: fp32 RMSNorm/rotary converts between bf16 ops",
+        fp32_twin=_gemma3(torch.float32),
         partitioner_kwargs={"enable_bf16": True},
         requires=("transformers",),
     ),
@@ -104,6 +105,7 @@ MODELS = [
         "xnnpack",
         _gemma3(torch.float16),
         "Gemma3 (2 layers, hidden 256) in fp16: fp32 RMSNorm/rotary converts between fp16 ops",
+        fp32_twin=_gemma3(torch.float32),
         requires=("transformers",),
     ),
 ]
