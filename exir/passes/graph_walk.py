@@ -194,3 +194,14 @@ def constant_sources(
             continue
         known[node] = ConstantSource(node, spec.kind, spec.target, spec.persistent, value)
     return known, excluded
+
+
+def is_channels_last(value) -> bool:
+    """A 4-D tensor laid out channels-last and not also contiguous (a size-1 dim can make
+    it both, and then no kernel can tell the layouts apart)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 4
+        and value.is_contiguous(memory_format=torch.channels_last)
+        and not value.is_contiguous()
+    )

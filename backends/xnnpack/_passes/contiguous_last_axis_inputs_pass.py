@@ -25,6 +25,7 @@ import torch
 from torch.export import ExportedProgram
 
 from etfold.decisions import Declined, record_applied, record_declined
+from etfold.exir.passes.graph_walk import is_channels_last
 from etfold.exir.program.working_copy import copy_for_rewrite
 
 FOLD = "xnnpack.contiguous_last_axis_input"
@@ -47,16 +48,6 @@ class ChannelsLastNormalization:
     node: torch.fx.Node
     source: torch.fx.Node
     output_channels_last: bool
-
-
-def is_channels_last(value) -> bool:
-    """4-D, laid out channels-last and not also contiguous (a size-1 dim can make it both)."""
-    return (
-        isinstance(value, torch.Tensor)
-        and value.dim() == 4
-        and value.is_contiguous(memory_format=torch.channels_last)
-        and not value.is_contiguous()
-    )
 
 
 def match_channels_last_normalization(

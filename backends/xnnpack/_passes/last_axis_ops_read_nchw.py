@@ -34,6 +34,8 @@ from executorch.backends.xnnpack._passes.channels_last_tagged_reshape_pass impor
 from executorch.exir.backend.compile_spec_schema import CompileSpec
 from executorch.exir.dialects._ops import ops as exir_ops
 
+from etfold.exir.passes.graph_walk import is_channels_last
+
 LAYOUT_GUARD_SPEC = CompileSpec("etfold.layout_guard", b"1")
 
 LAST_AXIS_OPS = frozenset(
@@ -48,20 +50,10 @@ _guard_depth = 0
 _upstream_nchw_ops: set | None = None
 
 
-def _is_channels_last(node: torch.fx.Node) -> bool:
-    value = node.meta.get("val")
-    return (
-        isinstance(value, torch.Tensor)
-        and value.dim() == 4
-        and value.is_contiguous(memory_format=torch.channels_last)
-        and not value.is_contiguous()
-    )
-
-
 def _may_produce_nhwc(node: torch.fx.Node) -> bool:
     return (
         node.target in ChannelsLastTaggedReshapePass.memory_sensitive_ops_nhwc
-        or _is_channels_last(node)
+        or is_channels_last(node.meta.get("val"))
     )
 
 

@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.backends.xnnpack._passes.contiguous_last_axis_inputs_pass import (
     FOLD,
-    is_channels_last,
     match_channels_last_normalization,
     read_last_axis_normalizations_contiguous,
 )
 from etfold.decisions import Declined, collect_decisions
 from etfold.exir import to_edge_transform_and_lower as etfold_lower
+from etfold.exir.passes.graph_walk import is_channels_last
 from etfold.harness.xnnpack_runner import lower_module_xnnpack, max_abs_error
 
 OPS = {
