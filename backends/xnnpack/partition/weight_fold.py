@@ -45,6 +45,7 @@ from etfold.exir.passes.constant_prop_pass import (
     is_quant_primitive,
 )
 from etfold.exir.passes.graph_walk import constant_sources, input_kinds
+from etfold.exir.passes.inline_autocast_regions_pass import is_training_program
 from etfold.exir.program.buffer_marks import BUFFER_FOLD_BLOCKERS, state_writes
 from etfold.exir.program.lower import SHARED_ACROSS_METHODS
 from etfold.exir.program.working_copy import copy_for_rewrite
@@ -163,10 +164,6 @@ class WeightFoldPlan:
 # ---------------------------------------------------------------- predicates
 
 
-def is_training_program(program: ExportedProgram) -> bool:
-    return program.graph_signature.backward_signature is not None
-
-
 def is_static_state(program: ExportedProgram, node: torch.fx.Node) -> bool:
     return node.op == "placeholder" and _state_kind(program, node) is not None
 
@@ -280,16 +277,18 @@ def find_seeds(program: ExportedProgram, slots: dict) -> list[Seed]:
     return seeds
 
 
-def constant_only_nodes(program: ExportedProgram) -> set[torch.fx.Node]:
-    """Forward scan: nodes computed from foldable static state and literals alone."""
+def source_verdicts(program: ExportedProgram) -> Callable[[torch.fx.Node], Declined | None]:
+    """Whether a placeholder may be folded from, judged once per program's writes."""
     written = state_writes(program)
     fqn_of = {
         spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.target
     }
+    return lambda node: _source_verdict(program, node, written, fqn_of)
 
-    def source_verdict(node):
-        return _source_verdict(program, node, written, fqn_of)
 
+def constant_only_nodes(program: ExportedProgram) -> set[torch.fx.Node]:
+    """Forward scan: nodes computed from foldable static state and literals alone."""
+    source_verdict = source_verdicts(program)
     constant: set[torch.fx.Node] = set()
     for node in program.graph.nodes:
         if node.op == "placeholder":
@@ -522,16 +521,11 @@ def growth_budget(program: ExportedProgram) -> int:
 
 
 def _closures(program: ExportedProgram, seeds: list[Seed]):
-    written = state_writes(program)
-    fqn_of = {
-        spec.arg.name: spec.target for spec in program.graph_signature.input_specs if spec.target
-    }
+    source_verdict = source_verdicts(program)
     closures: list[Closure] = []
     declined: list[tuple[Seed, str]] = []
     for seed in seeds:
-        found = constant_closure(
-            program, seed, lambda n: _source_verdict(program, n, written, fqn_of)
-        )
+        found = constant_closure(program, seed, source_verdict)
         if isinstance(found, Declined):
             declined.append((seed, found.reason))
         else:
