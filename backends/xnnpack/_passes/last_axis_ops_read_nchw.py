@@ -57,11 +57,17 @@ def _may_produce_nhwc(node: torch.fx.Node) -> bool:
     )
 
 
+def _may_be_4d(node: torch.fx.Node) -> bool:
+    """Unknown metadata counts as 4-D: the guard is exact either way, so it fails closed."""
+    value = node.meta.get("val")
+    return not isinstance(value, torch.Tensor) or value.dim() == 4
+
+
 def needs_layout_guard(nodes: Iterable[torch.fx.Node]) -> bool:
     """A partition holds a last-axis op over a 4-D tensor and something that may be NHWC."""
     members = set(nodes)
     reads_4d = any(
-        n.target in LAST_AXIS_OPS and n.args[0].meta["val"].dim() == 4
+        n.target in LAST_AXIS_OPS and _may_be_4d(n.args[0])
         for n in members
         if n.op == "call_function"
     )
