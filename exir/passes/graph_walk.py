@@ -205,3 +205,10 @@ def is_channels_last(value) -> bool:
         and value.is_contiguous(memory_format=torch.channels_last)
         and not value.is_contiguous()
     )
+
+
+def insert_to_copy(graph: torch.fx.Graph, value: torch.fx.Node, **kwargs) -> torch.fx.Node:
+    """`aten._to_copy(value, **kwargs)` at the graph's insertion point, with its `val`."""
+    copied = graph.call_function(torch.ops.aten._to_copy.default, (value,), kwargs)
+    copied.meta["val"] = torch.ops.aten._to_copy.default(value.meta["val"], **kwargs)
+    return copied

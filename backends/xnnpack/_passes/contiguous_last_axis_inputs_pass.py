@@ -25,13 +25,12 @@ import torch
 from torch.export import ExportedProgram
 
 from etfold.decisions import Declined, record_applied, record_declined
-from etfold.exir.passes.graph_walk import is_channels_last
+from etfold.exir.passes.graph_walk import insert_to_copy, is_channels_last
 from etfold.exir.program.working_copy import copy_for_rewrite
 
 FOLD = "xnnpack.contiguous_last_axis_input"
 
 aten = torch.ops.aten
-_TO_COPY = aten._to_copy.default
 LAST_AXIS_NORMALIZATIONS = frozenset(
     {
         aten.softmax.int,
@@ -63,20 +62,16 @@ def match_channels_last_normalization(
     return ChannelsLastNormalization(node, source, is_channels_last(node.meta.get("val")))
 
 
-def _copy(graph: torch.fx.Graph, value: torch.fx.Node, layout) -> torch.fx.Node:
-    copied = graph.call_function(_TO_COPY, (value,), {"memory_format": layout})
-    copied.meta["val"] = _TO_COPY(value.meta["val"], memory_format=layout)
-    return copied
-
-
 def rewrite_channels_last_normalization(match: ChannelsLastNormalization) -> None:
     node, graph = match.node, match.node.graph
     with graph.inserting_before(node):
-        node.replace_input_with(match.source, _copy(graph, match.source, torch.contiguous_format))
+        node.replace_input_with(
+            match.source, insert_to_copy(graph, match.source, memory_format=torch.contiguous_format)
+        )
     node.meta["val"] = node.meta["val"].contiguous()
     if match.output_channels_last:
         with graph.inserting_after(node):
-            restored = _copy(graph, node, torch.channels_last)
+            restored = insert_to_copy(graph, node, memory_format=torch.channels_last)
         node.replace_all_uses_with(restored, delete_user_cb=lambda user: user is not restored)
     record_applied(
         FOLD,

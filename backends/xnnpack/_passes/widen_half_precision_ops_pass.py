@@ -27,11 +27,11 @@ import torch
 from torch.export import ExportedProgram
 
 from etfold.decisions import Declined, record_applied, record_declined
+from etfold.exir.passes.graph_walk import insert_to_copy
 
 FOLD = "xnnpack.widen_half_precision_ops"
 
 aten = torch.ops.aten
-_TO_COPY = aten._to_copy.default
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
 
@@ -118,12 +118,6 @@ def match_half_precision_op(node: torch.fx.Node) -> HalfPrecisionOp | Declined |
     return HalfPrecisionOp(node, dtype, half_args, rule)
 
 
-def _to(graph: torch.fx.Graph, value: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
-    converted = graph.call_function(_TO_COPY, (value,), {"dtype": dtype})
-    converted.meta["val"] = _TO_COPY(value.meta["val"], dtype=dtype)
-    return converted
-
-
 def _fake(value):
     return value.meta["val"] if isinstance(value, torch.fx.Node) else value
 
@@ -132,11 +126,11 @@ def rewrite_half_precision_op(match: HalfPrecisionOp) -> None:
     node, graph = match.node, match.node.graph
     with graph.inserting_before(node):
         for source in match.widened:
-            node.replace_input_with(source, _to(graph, source, torch.float32))
+            node.replace_input_with(source, insert_to_copy(graph, source, dtype=torch.float32))
     args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _fake)
     node.meta["val"] = node.target(*args, **kwargs)
     with graph.inserting_after(node):
-        narrowed = _to(graph, node, match.dtype)
+        narrowed = insert_to_copy(graph, node, dtype=match.dtype)
     node.replace_all_uses_with(narrowed, delete_user_cb=lambda user: user is not narrowed)
     record_applied(
         FOLD,

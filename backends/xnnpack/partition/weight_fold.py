@@ -44,7 +44,7 @@ from etfold.exir.passes.constant_prop_pass import (
     is_nondeterministic,
     is_quant_primitive,
 )
-from etfold.exir.passes.graph_walk import constant_sources, input_kinds
+from etfold.exir.passes.graph_walk import constant_sources, input_kinds, insert_to_copy
 from etfold.exir.passes.inline_autocast_regions_pass import is_training_program
 from etfold.exir.program.buffer_marks import BUFFER_FOLD_BLOCKERS, state_writes
 from etfold.exir.program.lower import SHARED_ACROSS_METHODS
@@ -719,10 +719,7 @@ def promote_constant_operands(program: ExportedProgram) -> ExportedProgram:
     for node, operand in _promotions(program):
         dtype = node.meta["val"].dtype
         with program.graph.inserting_before(node):
-            widened = program.graph.call_function(
-                aten._to_copy.default, (operand,), {"dtype": dtype}
-            )
-        widened.meta["val"] = operand.meta["val"].to(dtype)
+            widened = insert_to_copy(program.graph, operand, dtype=dtype)
         node.replace_input_with(operand, widened)
     program.graph_module.recompile()
     return program
