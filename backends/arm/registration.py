@@ -29,8 +29,12 @@ wraps upstream's (empty) `transform_for_pre_decomposition_pipeline`, the one
 point that sees the whole program before partitioning, to mark values written
 back to buffers or inputs as carried state: a backend pass sees only its
 delegate, where such a write-back looks like an ordinary output. And it wraps
-`transform_to_backend_pipeline` so backend passes can ask which target the
-lowering is for (`_passes/lowering_target.py`): some folds pay on one NPU only. Registration checks
+`EthosUBackend.preprocess` so backend passes can ask which NPU the lowering is
+for (`_passes/lowering_target.py`): some folds pay on one NPU only. That is the
+one place the Ethos-U compile spec is still known; the backend pipeline below
+it gets a TOSA-only spec (`TOSABackend.filter_tosa_compile_specs`), so a
+direct `ArmPassManager(EthosUCompileSpec(...))` run is covered by wrapping
+`transform_to_backend_pipeline` too. Registration checks
 upstream's shape first (classes, registry functions, the annotation anchors
 really being added) and raises `ArmRegistrationError` if anything moved.
 """
@@ -45,6 +49,7 @@ from typing import Any, Literal
 
 UPSTREAM_PASSES_MODULE = "executorch.backends.arm._passes"
 UPSTREAM_PASS_MANAGER_MODULE = "executorch.backends.arm._passes.arm_pass_manager"
+UPSTREAM_ETHOS_U_BACKEND_MODULE = "executorch.backends.arm.ethosu.backend"
 
 Position = Literal["before", "after"]
 Pipeline = Literal["backend", "annotation"]
@@ -137,6 +142,7 @@ class _Installed:
     original_add_pass: Callable
     original_pre_decomposition: Callable
     original_backend_pipeline: Callable
+    original_ethos_u_preprocess: Any  # the staticmethod object in EthosUBackend.__dict__
     registry_entries: list[tuple[type, Position, Any]]  # (anchor type, position, instance)
     created_registry_keys: list[type]
     insertions: tuple[ArmPassInsertion, ...]
@@ -230,14 +236,44 @@ def _make_pre_decomposition(original: Callable) -> Callable:
 
 
 def _make_backend_pipeline(original: Callable) -> Callable:
-    from etfold.backends.arm._passes.lowering_target import lowering_for
+    from etfold.backends.arm._passes.lowering_target import is_ethos_u_spec, lowering_for
 
     def transform_to_backend_pipeline(self, *args, **kwargs):
+        if not is_ethos_u_spec(self.compile_spec):
+            return original(self, *args, **kwargs)
         with lowering_for(self.compile_spec):
             return original(self, *args, **kwargs)
 
     transform_to_backend_pipeline.__etfold_wrapped__ = original  # type: ignore[attr-defined]
     return transform_to_backend_pipeline
+
+
+def _ethos_u_backend() -> type:
+    backend = getattr(
+        importlib.import_module(UPSTREAM_ETHOS_U_BACKEND_MODULE), "EthosUBackend", None
+    )
+    if not isinstance(backend, type) or not isinstance(
+        backend.__dict__.get("preprocess"), staticmethod
+    ):
+        raise ArmRegistrationError(
+            f"{UPSTREAM_ETHOS_U_BACKEND_MODULE}.EthosUBackend.preprocess is no longer a "
+            "staticmethod; etfold tells backend passes the Ethos-U target through it"
+        )
+    return backend
+
+
+def _make_ethos_u_preprocess(original: staticmethod) -> staticmethod:
+    """EthosUBackend.preprocess, run inside `lowering_for(its EthosUCompileSpec)`."""
+    from etfold.backends.arm._passes.lowering_target import lowering_for
+
+    def preprocess(edge_program, compile_specs):
+        from executorch.backends.arm.ethosu import EthosUCompileSpec
+
+        with lowering_for(EthosUCompileSpec._from_list(compile_specs)):
+            return original.__func__(edge_program, compile_specs)
+
+    preprocess.__etfold_wrapped__ = original  # type: ignore[attr-defined]
+    return staticmethod(preprocess)
 
 
 def _built_annotation_pipeline(profile: str):
@@ -293,11 +329,14 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
 
     original_pre_decomposition = manager_cls.__dict__["transform_for_pre_decomposition_pipeline"]
     original_backend_pipeline = manager_cls.__dict__["transform_to_backend_pipeline"]
+    ethos_u_backend = _ethos_u_backend()
+    original_ethos_u_preprocess = ethos_u_backend.__dict__["preprocess"]
     manager_cls.add_pass = _make_add_pass(original_add_pass, retired, insertions)
     manager_cls.transform_for_pre_decomposition_pipeline = _make_pre_decomposition(
         original_pre_decomposition
     )
     manager_cls.transform_to_backend_pipeline = _make_backend_pipeline(original_backend_pipeline)
+    ethos_u_backend.preprocess = _make_ethos_u_preprocess(original_ethos_u_preprocess)
     try:
         _check_annotation_anchors(insertions)
         backend = [e for e in insertions if e.pipeline == "backend"]
@@ -306,6 +345,7 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
         manager_cls.add_pass = original_add_pass
         manager_cls.transform_for_pre_decomposition_pipeline = original_pre_decomposition
         manager_cls.transform_to_backend_pipeline = original_backend_pipeline
+        ethos_u_backend.preprocess = original_ethos_u_preprocess
         raise
 
     registry = module._registered_pass_insertions
@@ -324,6 +364,7 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
         original_add_pass,
         original_pre_decomposition,
         original_backend_pipeline,
+        original_ethos_u_preprocess,
         entries,
         created,
         insertions,
@@ -346,6 +387,7 @@ def unregister_arm_folds() -> None:
         _installed.original_pre_decomposition
     )
     module.ArmPassManager.transform_to_backend_pipeline = _installed.original_backend_pipeline
+    _ethos_u_backend().preprocess = _installed.original_ethos_u_preprocess
     registry = module._registered_pass_insertions
     for anchor_type, position, instance in _installed.registry_entries:
         insertions = registry.get(anchor_type)

@@ -7,9 +7,11 @@
 """Which Arm target a backend pipeline is lowering for.
 
 A backend pass sees the graph and the TOSA specification, not the compile spec
-that says whether the TOSA goes on to Vela. While etfold's folds are
-registered, `ArmPassManager.transform_to_backend_pipeline` runs inside
-`lowering_for(compile_spec)`; outside it the target is unknown (None).
+that says whether the TOSA goes on to Vela: `EthosUBackend.preprocess` hands
+the pass pipeline a TOSA-only spec. While etfold's folds are registered,
+`EthosUBackend.preprocess` (and a pipeline built directly from an
+`EthosUCompileSpec`) runs inside `lowering_for(compile_spec)`; outside it the
+target is unknown (None).
 """
 
 from __future__ import annotations
@@ -32,9 +34,13 @@ def lowering_for(compile_spec: object) -> Iterator[None]:
         _compile_spec.reset(token)
 
 
-def ethos_u_target() -> str | None:
-    """The Ethos-U accelerator being lowered for ("ethos-u55-128", …), or None."""
+def is_ethos_u_spec(compile_spec: object) -> bool:
     from executorch.backends.arm.ethosu import EthosUCompileSpec
 
+    return isinstance(compile_spec, EthosUCompileSpec)
+
+
+def ethos_u_target() -> str | None:
+    """The Ethos-U accelerator being lowered for ("ethos-u55-128", …), or None."""
     spec = _compile_spec.get()
-    return spec.target if isinstance(spec, EthosUCompileSpec) else None
+    return spec.target if is_ethos_u_spec(spec) else None

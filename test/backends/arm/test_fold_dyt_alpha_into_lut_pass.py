@@ -174,3 +174,29 @@ def test_declines_when_product_overflows_int32():
 
     decisions = _probe("nhwc", huge_alpha_rescale)
     assert "overflows" in _only_decline(decisions)
+
+
+class ResidualTanh(torch.nn.Module):
+    """x + tanh(alpha * x): the activation is read by the residual add too."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha = torch.nn.Parameter(torch.tensor([0.5]))
+
+    def forward(self, x):
+        return x + torch.tanh(self.alpha * x)
+
+
+def test_declines_when_the_table_would_lose_its_fused_producer_on_ethos_u():
+    pytest.importorskip("ethosu.vela")
+    from etfold.backends.arm import arm_folds_registered
+    from etfold.harness.vela import U85, lower_module_ethos_u
+
+    samples = _inputs()
+    with arm_folds_registered(), collect_decisions() as decisions:
+        lower_module_ethos_u(ResidualTanh().eval(), samples[0], U85, calibration=samples[1:])
+    assert f"on {U85} the TABLE is free" in _only_decline(decisions)
+    program = quantize_for_tosa(ResidualTanh().eval(), samples[0], calibration=samples[1:])
+    with collect_decisions() as decisions:
+        lower_tosa_with_passes(program, before={InsertTableOpsPass: [FoldDyTAlphaIntoLUTPass()]})
+    assert [(d.fold, d.applied) for d in decisions] == [(FOLD, True)]

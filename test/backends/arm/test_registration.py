@@ -14,6 +14,7 @@ import torch
 from executorch.backends.arm._passes import FoldScalarMulIntoConvPass as UpstreamFold
 from executorch.backends.arm._passes import InsertTableOpsPass, RewriteConvPass
 from executorch.backends.arm._passes import arm_pass_manager as apm
+from executorch.backends.arm.ethosu.backend import EthosUBackend
 
 from etfold.backends.arm import (
     ArmPassInsertion,
@@ -40,10 +41,12 @@ def _unregistered():
 
 
 def _snapshot():
-    """What registration may touch upstream: two ArmPassManager methods and the insertion registry."""
+    """What registration may touch upstream: ArmPassManager methods, EthosUBackend.preprocess, the insertion registry."""
     return (
         apm.ArmPassManager.__dict__["add_pass"],
         apm.ArmPassManager.__dict__["transform_for_pre_decomposition_pipeline"],
+        apm.ArmPassManager.__dict__["transform_to_backend_pipeline"],
+        EthosUBackend.__dict__["preprocess"],
         {
             t: ([id(p) for p in i.before_passes], [id(p) for p in i.after_passes])
             for t, i in apm._registered_pass_insertions.items()
