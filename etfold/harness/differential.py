@@ -83,6 +83,11 @@ KNOWN_UPSTREAM: tuple[tuple[str, str], ...] = (
         "XNNPACK runtime rejects the delegate at init (a bf16 BMM: xnn_status_invalid_parameter)",
     ),
     (
+        r"malformed TOSA graph, not run: CONV2D reads",
+        "Arm lowering drops the layout transpose in front of a conv fed by"
+        " permute -> mul by a rank-1 parameter -> permute back (the reference model segfaults on it)",
+    ),
+    (
         r"marked not to be transformed before annotation",
         "Arm: conv_transpose1d sites are not transformed before annotation",
     ),
@@ -94,24 +99,8 @@ def known_pending(case, outcome: Outcome) -> str | None:
 
     Each entry names the class; remove it with the fix, so the class fails again.
     """
-    fp16_gelu = isinstance(case, ConvertsCase) and any(
-        r.op == "gelu" and r.dtype == "float16" for r in case.regions
-    )
-    if outcome.verdict == "mutation" and fp16_gelu:
-        return "the fp16 GELU widening rewrites the user's ExportedProgram in place"
-    if outcome.verdict not in ("wrong", "more_delegates"):
-        return None
-    if isinstance(case, WeightFoldCase) and case.share in ("derived", "operand"):
-        return "a parameter that is a static conv weight and also read by other ops"
-    if isinstance(case, WeightFoldCase) and case.buffer == "written_in_forward":
-        return "a buffer read by a delegate and written in place in the same forward"
     if outcome.verdict == "more_delegates" and isinstance(case, ConvertsCase):
         return "delegated converts around fp32 regions can split a delegate stock keeps whole"
-    if isinstance(case, ConvertsCase):
-        ops = [r.op for r in case.regions]
-        last_dim = [i for i, op in enumerate(ops) if op in ("softmax_last", "norm_in_fp32")]
-        if "conv" in ops and last_dim and ops.index("conv") < max(last_dim):
-            return "a conv and a last-dim reduction in one delegate with channels-last layout"
     return None
 
 
@@ -261,13 +250,23 @@ def _partitioner_kwargs(case) -> dict:
 
 
 def _executorch_config(built: Built):
-    """Methods share mutable buffers, so a buffer one method writes is what another reads."""
-    if len(built.methods) == 1:
-        return None
+    """Serialize every buffer's initial value, and share buffers between methods.
+
+    ExecuTorch serializes only the shape of a buffer the program writes, unless the
+    buffer is marked `et_init_buffer`; eager starts from the registered value, so the
+    oracle marks them all. Methods share mutable buffers, so a buffer one method
+    writes is what another reads.
+    """
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.passes.init_mutable_pass import InitializedMutableBufferPass
 
+    buffers = [name.replace(".", "_") for name, _ in built.module.named_buffers()]
+    initialized = [InitializedMutableBufferPass(buffers)] if buffers else []
+    if len(built.methods) == 1:
+        return ExecutorchBackendConfig(passes=initialized) if initialized else None
     return ExecutorchBackendConfig(
+        passes=initialized,
         memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
         emit_mutable_buffer_names=True,
     )
@@ -642,9 +641,11 @@ def codes_match_unfolded(built: Built, outcome: Outcome) -> str | None:
     except Exception:
         return None  # nothing to compare with: not etfold's failure
     for call in built.calls:
-        difference = max_code_difference(
-            outcome.lowered.run(*call.inputs), unfolded.run(*call.inputs)
-        )
+        try:
+            expected = unfolded.run(*call.inputs)
+        except RuntimeError:
+            return None  # the unfolded lowering does not run (an upstream bug, KNOWN_UPSTREAM)
+        difference = max_code_difference(outcome.lowered.run(*call.inputs), expected)
         if difference:
             return f"integer folds differ from the unfolded lowering by {difference} LSB"
     return None

@@ -54,18 +54,49 @@ def ops_outside_delegates(program) -> Counter[str]:
     return counts
 
 
-def tosa_operator_counts(tosa_graph: bytes) -> Counter[str]:
-    """TOSA operators by kind (`CONV2D`, `RESCALE`, …), read from the flatbuffer."""
+def _tosa_operators(tosa_graph: bytes):
+    """(kind, operator, block) for every operator of a serialized TOSA graph."""
     from tosa.Op import Op
     from tosa.TosaGraph import TosaGraph
 
     names = {value: name for name, value in vars(Op).items() if not name.startswith("_")}
     graph = TosaGraph.GetRootAs(tosa_graph, 0)
-    counts: Counter[str] = Counter()
     for r in range(graph.RegionsLength()):
         region = graph.Regions(r)
         for b in range(region.BlocksLength()):
             block = region.Blocks(b)
             for o in range(block.OperatorsLength()):
-                counts[names[block.Operators(o).Op()]] += 1
-    return counts
+                operator = block.Operators(o)
+                yield names[operator.Op()], operator, block
+
+
+def tosa_operator_counts(tosa_graph: bytes) -> Counter[str]:
+    """TOSA operators by kind (`CONV2D`, `RESCALE`, …), read from the flatbuffer."""
+    return Counter(kind for kind, _, _ in _tosa_operators(tosa_graph))
+
+
+# the input-channel axis of each convolution's weight (TOSA layouts: OHWI, HWCM, OHWI)
+_WEIGHT_INPUT_CHANNEL_AXIS = {"CONV2D": 3, "TRANSPOSE_CONV2D": 3, "DEPTHWISE_CONV2D": 2}
+
+
+def tosa_channel_conflicts(tosa_graph: bytes) -> list[str]:
+    """Convolutions whose NHWC input does not have the channels their weight reads.
+
+    Such a graph is malformed (a layout transpose went missing); the reference
+    model rejects it and then crashes its host process, so check before running.
+    """
+    conflicts = []
+    for kind, operator, block in _tosa_operators(tosa_graph):
+        axis = _WEIGHT_INPUT_CHANNEL_AXIS.get(kind)
+        if axis is None or operator.InputsLength() < 2:
+            continue
+        shapes = {}
+        for t in range(block.TensorsLength()):
+            tensor = block.Tensors(t)
+            shapes[tensor.Name()] = (
+                [int(d) for d in tensor.ShapeAsNumpy()] if tensor.ShapeLength() else []
+            )
+        given, weight = shapes.get(operator.Inputs(0), []), shapes.get(operator.Inputs(1), [])
+        if given and len(weight) > axis and given[-1] != weight[axis]:
+            conflicts.append(f"{kind} reads {given[-1]} input channels, its weight {weight[axis]}")
+    return conflicts

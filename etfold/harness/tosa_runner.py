@@ -26,6 +26,7 @@ from etfold.harness.inspection import (
     delegate_count,
     lowered_modules,
     ops_outside_delegates,
+    tosa_channel_conflicts,
     tosa_operator_counts,
 )
 from etfold.harness.modules import in_eval_mode
@@ -160,6 +161,9 @@ def run_tosa_graph(
 ) -> list[torch.Tensor]:
     import tosa_reference_model
 
+    conflicts = tosa_channel_conflicts(tosa_graph)
+    if conflicts:
+        raise RuntimeError(f"malformed TOSA graph, not run: {'; '.join(conflicts)}")
     with _native_stdout_silenced():
         arrays, status = tosa_reference_model.run(
             tosa_graph,

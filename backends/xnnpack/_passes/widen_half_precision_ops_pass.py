@@ -28,6 +28,7 @@ from torch.export import ExportedProgram
 
 from etfold.decisions import Declined, record_applied, record_declined
 from etfold.exir.passes.graph_walk import insert_to_copy
+from etfold.exir.program.working_copy import copy_for_rewrite
 
 FOLD = "xnnpack.widen_half_precision_ops"
 
@@ -140,17 +141,25 @@ def rewrite_half_precision_op(match: HalfPrecisionOp) -> None:
     )
 
 
-def widen_half_precision_ops(program: ExportedProgram) -> ExportedProgram:
-    """Rewrite every matched op in place; the same program object comes back."""
+def _matches(program: ExportedProgram, record: bool) -> list[HalfPrecisionOp]:
     matches = []
     for node in program.graph.nodes:
         match = match_half_precision_op(node)
         if isinstance(match, Declined):
-            record_declined(FOLD, node.name, match.reason)
+            if record:
+                record_declined(FOLD, node.name, match.reason)
         elif match is not None:
             matches.append(match)
-    for match in matches:
+    return matches
+
+
+def widen_half_precision_ops(program: ExportedProgram) -> ExportedProgram:
+    """The program with every matched op widened: a rewritten copy when something
+    matches (the program handed in may be the user's), else the program itself."""
+    if not _matches(program, record=True):
+        return program
+    program = copy_for_rewrite(program)
+    for match in _matches(program, record=False):
         rewrite_half_precision_op(match)
-    if matches:
-        program.graph_module.recompile()
+    program.graph_module.recompile()
     return program

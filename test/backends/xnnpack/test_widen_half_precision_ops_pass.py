@@ -144,9 +144,10 @@ def _targets(program) -> Counter:
 @pytest.mark.parametrize("op", list(OP_TARGETS))
 def test_the_graph_computes_the_op_in_fp32_between_two_converts(op):
     module, inputs, _ = _case(op, torch.float16, 256)
-    program = torch.export.export(module, inputs)
-    before = _targets(program)[TO_COPY]
-    assert widen_half_precision_ops(program) is program
+    users_program = torch.export.export(module, inputs)
+    before = _targets(users_program)[TO_COPY]
+    program = widen_half_precision_ops(users_program)
+    assert program is not users_program and _targets(users_program)[TO_COPY] == before
     (node,) = [n for n in program.graph.nodes if n.target is OP_TARGETS[op]]
     assert node.meta["val"].dtype is torch.float32
     assert node.args[0].target is TO_COPY and node.args[0].kwargs["dtype"] is torch.float32
@@ -154,6 +155,21 @@ def test_the_graph_computes_the_op_in_fp32_between_two_converts(op):
     assert narrowed.target is TO_COPY and narrowed.kwargs["dtype"] is torch.float16
     widened_weights = 2 if op == "layer_norm" else 0
     assert _targets(program)[TO_COPY] == before + 2 + widened_weights
+
+
+@pytest.mark.parametrize("op", ["gelu", "layer_norm"])
+def test_lowering_leaves_the_users_program_as_it_was(op):
+    module, inputs, _ = _case(op, torch.float16, 256)
+    program = torch.export.export(module, inputs)
+    code, nodes = program.graph_module.code, [dict(n.meta) for n in program.graph.nodes]
+    with collect_decisions() as decisions:
+        to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+    assert any(d.fold == FOLD and d.applied for d in decisions)
+    assert program.graph_module.code == code
+    after = [n.meta.get("val") for n in program.graph.nodes]
+    assert len(after) == len(nodes) and all(
+        value is meta.get("val") for value, meta in zip(after, nodes, strict=True)
+    )
 
 
 def test_fp16_gelu_widened_is_bit_identical_to_eager():
