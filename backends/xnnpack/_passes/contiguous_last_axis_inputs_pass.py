@@ -62,12 +62,39 @@ def match_channels_last_normalization(
     return ChannelsLastNormalization(node, source, is_channels_last(node.meta.get("val")))
 
 
+VALUE_PRESERVING_COPIES = frozenset(
+    {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default}
+)
+
+
+def contiguous_original(source: torch.fx.Node) -> torch.fx.Node | None:
+    """A contiguous tensor holding `source`'s values, found by walking back through
+    copies that keep dtype and values (`x.to(memory_format=channels_last)`).
+
+    Reading it instead of a new contiguous copy keeps a layout round trip out of
+    the graph: a delegate of two copies that cancel would be a pass-through.
+    """
+    node = source
+    while node.op == "call_function" and node.target in VALUE_PRESERVING_COPIES:
+        original = node.args[0]
+        value, before = node.meta.get("val"), getattr(original, "meta", {}).get("val")
+        if not isinstance(before, torch.Tensor) or not isinstance(value, torch.Tensor):
+            return None
+        if before.dtype != value.dtype or before.shape != value.shape:
+            return None
+        if before.is_contiguous():
+            return original
+        node = original
+    return None
+
+
 def rewrite_channels_last_normalization(match: ChannelsLastNormalization) -> None:
     node, graph = match.node, match.node.graph
+    contiguous = contiguous_original(match.source)
     with graph.inserting_before(node):
-        node.replace_input_with(
-            match.source, insert_to_copy(graph, match.source, memory_format=torch.contiguous_format)
-        )
+        if contiguous is None:
+            contiguous = insert_to_copy(graph, match.source, memory_format=torch.contiguous_format)
+        node.replace_input_with(match.source, contiguous)
     node.meta["val"] = node.meta["val"].contiguous()
     if match.output_channels_last:
         with graph.inserting_after(node):

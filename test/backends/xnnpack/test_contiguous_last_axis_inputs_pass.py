@@ -98,3 +98,38 @@ def test_declines_when_input_has_no_metadata():
     assert [d.detail for d in decisions if d.fold == FOLD and not d.applied] == [
         f"`{softmax.name}` has no tensor metadata on its input"
     ]
+
+
+class NormOfChannelsLastInput(torch.nn.Module):
+    """A layout copy straight into the normalization, then a bf16 round trip."""
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x):
+        h = OPS[self.op](x.to(memory_format=torch.channels_last).float())
+        return h.to(torch.bfloat16, memory_format=torch.channels_last).float()
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "softmax"])
+def test_a_layout_copy_of_a_contiguous_tensor_is_read_through_not_copied_back(op):
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 4, 6)
+    program = torch.export.export(NormOfChannelsLastInput(op).eval(), (x,))
+    rewritten = read_last_axis_normalizations_contiguous(program)
+    norm = next(n for n in rewritten.graph.nodes if n.target == OPS_TARGETS[op])
+    assert norm.args[0].op == "placeholder"  # x itself: no channels-last -> contiguous round trip
+    lowered, reference = lower_module_xnnpack(
+        NormOfChannelsLastInput(op).eval(),
+        (x,),
+        [XnnpackPartitioner(enable_bf16=True)],
+        lower=etfold_lower,
+    )
+    assert max_abs_error(lowered.run(x), reference) <= 1e-2
+
+
+OPS_TARGETS = {
+    "layer_norm": torch.ops.aten.layer_norm.default,
+    "softmax": torch.ops.aten.softmax.int,
+}
