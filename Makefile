@@ -31,9 +31,10 @@ bench: $(STAMP)
 	for script in bench/bench_*.py; do $(VENV)/bin/python $$script || exit 1; done
 
 # The long differential fuzzing profile (>= 2000 cases over the four fold families; resumable:
-# a rerun with the same seed continues). FUZZ_ARGS takes e.g. --budget MINUTES --seed N --cases N.
+# a rerun with the same seed continues; two worker processes, restarted after a native crash).
+# FUZZ_ARGS takes e.g. --budget MINUTES --seed N --cases N.
 fuzz: $(STAMP)
-	$(VENV)/bin/python tools/fuzz.py $(FUZZ_ARGS)
+	$(VENV)/bin/python tools/fuzz.py --jobs 2 $(FUZZ_ARGS)
 
 buck:
 	$(PYTHON) tools/buck_targets.py

@@ -143,6 +143,41 @@ def failed(records: list[dict]) -> bool:
     return any(r["verdict"] in hard and not r.get("known_pending") for r in records)
 
 
+def _worker_argv(argv: list[str], families: list[str]) -> list[str]:
+    """`argv` for one worker: its families, no --jobs/--families of the supervisor's."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip and not arg.startswith("--"):
+            continue
+        skip = arg in ("--families", "--jobs")
+        if not skip:
+            kept.append(arg)
+    return [*kept, "--worker", "--families", *families]
+
+
+def _run_until_done(argv: list[str]) -> None:
+    """Run a worker; when a native crash kills it, start it again: it records the case
+    that took it down (process_crash) and goes on with the next."""
+    import subprocess
+
+    while subprocess.run([sys.executable, __file__, *argv]).returncode < 0:
+        print("[fuzz] a worker died on a native crash; resuming after that case", flush=True)
+
+
+def supervise(argv: list[str], args) -> None:
+    import threading
+
+    shares = [args.families[i :: args.jobs] for i in range(min(args.jobs, len(args.families)))]
+    workers = [
+        threading.Thread(target=_run_until_done, args=(_worker_argv(argv, share),))
+        for share in shares
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
@@ -152,7 +187,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", nargs="+", default=list(FAMILY_NAMES), choices=FAMILY_NAMES)
     parser.add_argument("--state-dir", type=Path, default=ROOT / ".fuzz")
     parser.add_argument("--summary-only", action="store_true", help="print the recorded summary")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="worker processes, each running its share of the families and restarted after a"
+        " native crash (0: run in this process)",
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.jobs > 0 and not args.worker and not args.summary_only:
+        supervise(argv if argv is not None else sys.argv[1:], args)
+        args.summary_only = True
 
     args.state_dir.mkdir(parents=True, exist_ok=True)
     per_family = -(-args.cases // len(args.families))

@@ -85,3 +85,29 @@ def test_a_case_that_killed_the_process_is_recorded_and_skipped_on_resume(
     assert [(r["index"], r["verdict"]) for r in recorded] == [(0, "process_crash"), (1, "ok")]
     assert ("dyt", 0) not in ran and ("dyt", 1) in ran
     assert not list(tmp_path.glob("*.inflight"))
+
+
+def test_workers_split_the_families_and_keep_the_other_arguments(fuzz):
+    argv = ["--seed", "3", "--jobs", "2", "--families", "dyt", "converts", "--budget", "5"]
+    worker = fuzz._worker_argv(argv, ["dyt"])
+    assert worker == ["--seed", "3", "--budget", "5", "--worker", "--families", "dyt"]
+
+
+def test_a_worker_killed_by_a_native_crash_is_restarted_and_moves_past_the_case(
+    fuzz, tmp_path, monkeypatch
+):
+    calls = []
+
+    class Finished:
+        def __init__(self, code):
+            self.returncode = code
+
+    def run(command):
+        calls.append(command)
+        return Finished(-11 if len(calls) == 1 else 0)
+
+    import subprocess
+
+    monkeypatch.setattr(subprocess, "run", run)
+    fuzz._run_until_done(["--worker", "--families", "dyt"])
+    assert len(calls) == 2 and calls[0] == calls[1]
