@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import inspect
+import logging
 import operator
 import sys
 
@@ -24,7 +25,7 @@ from torch.export.graph_signature import InputKind
 
 from etfold.decisions import collect_decisions
 from etfold.exir import constant_prop_pass, to_edge_transform_and_lower
-from etfold.exir.passes.constant_prop_pass import FOLD, fold_expression
+from etfold.exir.passes.constant_prop_pass import FILLS_AND_QUANT_OPS, FOLD, fold_expression
 from etfold.exir.passes.graph_walk import constant_sources, op_qualified_name
 from etfold.harness.external_data import data_files, data_keys, load_with_data
 from etfold.harness.xnnpack_runner import assert_close, export_method, load_program, lower_xnnpack
@@ -234,7 +235,13 @@ def test_declines_when_fill_factory(name):
     model, x = Fill(FILLS[name]), torch.randn(4)
     ep = export(model, x)
     assert any(name in op for op in ops(ep))
-    assert_declines(ep, (x,), "factory op that only fills a tensor", eager(model, x))
+    assert_declines(
+        ep,
+        (x,),
+        "factory op that only fills a tensor",
+        eager(model, x),
+        custom_skip_targets=FILLS_AND_QUANT_OPS,
+    )
 
 
 class DequantWeight(torch.nn.Module):
@@ -251,7 +258,13 @@ class DequantWeight(torch.nn.Module):
 
 def test_declines_when_quant_primitive():
     model, x = DequantWeight(), torch.randn(2, 4)
-    assert_declines(export(model, x), (x,), "quantization primitive", eager(model, x))
+    assert_declines(
+        export(model, x),
+        (x,),
+        "quantization primitive",
+        eager(model, x),
+        custom_skip_targets=FILLS_AND_QUANT_OPS,
+    )
 
 
 def test_declines_when_evaluation_fails():
@@ -909,9 +922,9 @@ def test_constant_output_goes_through_a_clone_in_the_graph_dialect(dialect, clon
         assert ep.graph.output_node().args[0][1].target is torch.ops.aten.clone.default
         _, out = on_xnnpack(ep, x)
     else:
-        config = EdgeCompileConfig(_skip_dim_order=dialect == "edge_no_dim_order")
-        edge = to_edge(ep, compile_config=config)
-        constant_prop_pass(edge.exported_program())
+        skip_dim_order = dialect == "edge_no_dim_order"
+        edge = to_edge(ep, compile_config=EdgeCompileConfig(_skip_dim_order=skip_dim_order))
+        constant_prop_pass(edge.exported_program(), _skip_dim_order=skip_dim_order)
         assert ops(edge.exported_program()) == ["aten.add.Tensor", clone]
         out = list(load_program(edge.to_executorch()).run_method("forward", (x,)))
     assert_close(out, eager(model, x), atol=1e-6)
@@ -945,3 +958,89 @@ def test_long_chain_folds_without_recursion():
         sys.setrecursionlimit(limit)
     assert ops(ep) == ["aten.matmul.default"]
     assert_close(run_module(ep, x), eager(model, x), atol=1e-5)
+
+
+# --- 12. a drop-in for upstream's pass ------------------------------------------------------------
+
+
+def test_signature_keeps_upstreams_parameters_and_defaults():
+    theirs = list(inspect.signature(upstream_constant_prop_pass).parameters.values())
+    ours = list(inspect.signature(constant_prop_pass).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in ours[: len(theirs)]] == [
+        (p.name, p.kind, p.default) for p in theirs
+    ]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours[len(theirs) :])
+
+
+def test_default_dequantizes_a_constant_weight_ahead_of_time_in_aten():
+    model, x = DequantWeight(), torch.randn(2, 4)
+    ep = export(model, x)
+    assert "quantized_decomposed.dequantize_per_tensor.default" in ops(ep)
+    with collect_decisions() as decisions:
+        constant_prop_pass(ep)
+    assert ops(ep) == ["aten.linear.default"]
+    [weight] = ep.constants.values()
+    assert weight.dtype == torch.float32 and len(applied(decisions)) == 1
+    lowered, out = on_xnnpack(ep, x)
+    assert lowered.delegates() == 1 and not lowered.ops_outside()
+    assert_close(out, eager(model, x), atol=1e-4)
+
+
+def test_default_keeps_edge_quantization_primitives():
+    model, x = DequantWeight(), torch.randn(2, 4)
+    ep = to_edge(
+        export(model, x), compile_config=EdgeCompileConfig(_check_ir_validity=False)
+    ).exported_program()
+    before = str(ep.graph)
+    with collect_decisions() as decisions:
+        constant_prop_pass(ep)
+    assert str(ep.graph) == before
+    assert any(
+        r == "quantized_decomposed.dequantize_per_tensor.default is a default skip target"
+        for r in declined(decisions)
+    )
+    assert_close(run_module(ep, x), eager(model, x), atol=1e-6)
+
+
+def test_default_keeps_edge_full_and_folds_aten_full():
+    model, x = Fill(FILLS["full"]), torch.randn(4)
+    edge = to_edge(export(model, x))
+    before = str(edge.exported_program().graph)
+    with collect_decisions() as decisions:
+        constant_prop_pass(edge.exported_program())
+    assert str(edge.exported_program().graph) == before
+    assert "aten.full.default is a default skip target" in declined(decisions)
+    runtime = load_program(edge.to_executorch())
+    assert_close(list(runtime.run_method("forward", (x,))), eager(model, x), atol=1e-6)
+    ep = export(model, x)
+    constant_prop_pass(ep)
+    assert ops(ep) == ["aten.add.Tensor"] and len(ep.constants) == 1
+    _, out = on_xnnpack(ep, x)
+    assert_close(out, eager(model, x), atol=1e-6)
+
+
+def test_warns_on_control_flow_and_folds_outside_it(caplog):
+    model, inputs = CastUnderCond(), (torch.tensor(True), torch.randn(3, 3))
+    ep = export(model, *inputs)
+    assert any(n.target is torch.ops.higher_order.cond for n in ep.graph.nodes)
+    with caplog.at_level(logging.WARNING), collect_decisions() as decisions:
+        constant_prop_pass(ep)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "constant_prop_pass does not constant propagate in control flow modules" in (
+        warnings[0].getMessage()
+    )
+    assert "aten._to_copy.default" not in ops(ep) and applied(decisions)
+    assert_close(run_module(ep, *inputs), eager(model, *inputs), atol=1e-6)
+
+
+def test_program_without_placeholders_is_returned_untouched():
+    class Literal(torch.nn.Module):
+        def forward(self):
+            return torch.ones(3) * 2
+
+    model = Literal()
+    ep = export(model)
+    before = str(ep.graph)
+    assert constant_prop_pass(ep) is ep and str(ep.graph) == before
+    assert_close(run_module(ep), eager(model), atol=0)
