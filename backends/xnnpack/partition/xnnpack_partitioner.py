@@ -27,15 +27,21 @@ from etfold.backends.xnnpack._passes.last_axis_ops_read_nchw import (
     LAYOUT_GUARD_SPEC,
     needs_layout_guard,
 )
+from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import (
+    delegated_op_names,
+    shape_ops_as_views,
+)
 from etfold.backends.xnnpack._passes.widen_half_precision_ops_pass import widen_half_precision_ops
-from etfold.backends.xnnpack.install import DTYPE_CONVERTS_SPEC, install
+from etfold.backends.xnnpack.install import DTYPE_CONVERTS_SPEC, acquire, is_marked
 from etfold.backends.xnnpack.partition.bf16_delegation import (
     bf16_applies,
     bf16_scope,
+    bf16_setting,
     bf16_settings,
 )
 from etfold.backends.xnnpack.partition.config.convert_config import with_dtype_convert_configs
 from etfold.backends.xnnpack.partition.constant_layout_conflicts import find_layout_conflicts
+from etfold.backends.xnnpack.partition.shape_op_partitions import settle_shape_op_views
 from etfold.backends.xnnpack.partition.weight_fold import fold_gemm_weights, seed_slots
 from etfold.decisions import record_declined
 from etfold.exir.passes.inline_autocast_regions_pass import inline_autocast_regions
@@ -75,12 +81,21 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         if self.delegate_dtype_converts:
             exported_program = widen_half_precision_ops(exported_program)
         exported_program = read_last_axis_normalizations_contiguous(exported_program)
-        if not self.fold_weights:
+        if self.fold_weights:
+            slots = seed_slots(self.target_partitioner_configs.values())
+            exported_program = fold_gemm_weights(
+                exported_program, slots, self._decomposition_table(exported_program)
+            )
+        return self._shape_ops_as_views(exported_program)
+
+    def _shape_ops_as_views(self, exported_program: ExportedProgram) -> ExportedProgram:
+        if "view_copy.default" not in self.target_partitioner_configs:
             return exported_program
-        slots = seed_slots(self.target_partitioner_configs.values())
-        return fold_gemm_weights(
-            exported_program, slots, self._decomposition_table(exported_program)
+        bf16 = bf16_applies(exported_program, self._user_enable_bf16) and bf16_setting(
+            "view_copy.default", self._user_enable_bf16
         )
+        delegated = delegated_op_names(self.target_partitioner_configs)
+        return shape_ops_as_views(exported_program, delegated, bf16=bf16)
 
     def _decomposition_table(self, exported_program: ExportedProgram) -> dict:
         """What the lowering will decompose: ExecuTorch's table less the ops kept for XNNPACK."""
@@ -127,14 +142,19 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         return ops, keep_under_bf16_settings
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
-        if self.delegate_dtype_converts:
-            install()  # idempotent; marked delegates must never reach an unwrapped preprocess
         configs = self.target_partitioner_configs.values()
         with bf16_scope(exported_program, self._user_enable_bf16, configs):
-            result = super().partition(exported_program)
+            result = settle_shape_op_views(super().partition(exported_program))
         if self.delegate_dtype_converts:
             result = self._mark_convert_partitions(result)
-        return self._mark_layout_guard_partitions(result)
+        return self._held_until_preprocessed(self._mark_layout_guard_partitions(result))
+
+    @staticmethod
+    def _held_until_preprocessed(result: PartitionResult) -> PartitionResult:
+        """A marked partition must never reach an unwrapped preprocess: one install
+        hold per marked partition, given back by the wrapper once it is preprocessed."""
+        acquire(sum(is_marked(spec.compile_specs) for spec in result.partition_tags.values()))
+        return result
 
     def _mark_layout_guard_partitions(self, result: PartitionResult) -> PartitionResult:
         """Partitions where a last-axis op may read NHWC data get the layout guard spec."""
@@ -145,7 +165,6 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         guarded = {tag for tag, nodes in members.items() if needs_layout_guard(nodes)}
         if not guarded:
             return result
-        install()  # the guard acts inside etfold's preprocess wrapper
         partition_tags = {
             tag: DelegationSpec(spec.backend_id, [*spec.compile_specs, LAYOUT_GUARD_SPEC])
             if tag in guarded

@@ -1,0 +1,188 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Write squeezes and unsqueezes that XNNPACK would refuse as views, which it takes.
+
+    unsqueeze(x, d)   -> view(x, shape(x)[:d] + [1] + shape(x)[d:])
+    squeeze(x, dims)  -> view(x, [shape(x)[i] for i not in dims or shape(x)[i] != 1])
+
+Both sides are the same function of any tensor (inserting or dropping a size-1
+dim is a view of every strided layout), and the new shape is the op's own output
+shape, read from its metadata; a symbolic size becomes view's one inferred `-1`.
+Upstream delegates an unsqueeze only on the trailing dim (its visitor's limit)
+and no squeeze at all; it delegates any static `view_copy`.
+
+Layout: inside a delegate, XNNPACK's ChannelsLastTaggedReshapePass gives every
+`view_copy` NCHW inputs (transposing an NHWC producer back first) and tags its
+output NCHW, as it does for squeeze and unsqueeze, so the static reshape always
+sees the logical, contiguous order: the view is exact whether its neighbours run
+channels-last (a convolution) or contiguous.
+
+Runs on the ATen program, before decomposition. A rewritten node is marked
+(`meta["custom"][SHAPE_OP_MARK]`, which survives decomposition) so the
+partitioner can report, and drop, a view that would sit in a delegate alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+
+from etfold.decisions import Declined, record_declined
+from etfold.exir.passes.graph_walk import op_qualified_name, underlying_op
+from etfold.exir.program.working_copy import copy_for_rewrite
+
+FOLD = "xnnpack.shape_op_as_view"
+SHAPE_OP_MARK = "etfold_shape_op_as_view"
+XNN_MAX_TENSOR_DIMS = 6
+
+aten = torch.ops.aten
+_SQUEEZES = frozenset({aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default})
+_SHAPE_OPS = _SQUEEZES | {aten.unsqueeze.default}
+_FLOATS = frozenset({torch.float32, torch.float16})
+# ATen ops that reach a delegated edge op under another name after decomposition
+_DECOMPOSES_TO_DELEGATED = frozenset(
+    {
+        "conv1d.default",
+        "conv1d.padding",
+        "conv2d.default",
+        "conv2d.padding",
+        "conv_transpose1d.default",
+        "conv_transpose2d.input",
+        "matmul.default",
+        "scaled_dot_product_attention.default",
+        "softmax.int",
+        "to.dtype",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ShapeOpAsView:
+    node: torch.fx.Node
+    shape: tuple[int, ...]  # the view's size argument, -1 for the one symbolic size
+
+
+def is_upstream_delegated(node: torch.fx.Node) -> bool:
+    """An unsqueeze on the trailing dim: upstream's own config and visitor take it."""
+    if node.target != aten.unsqueeze.default:
+        return False
+    return node.args[1] in (-1, node.args[0].meta["val"].dim())
+
+
+def delegated_op_names(config_targets: Collection[str]) -> frozenset[str]:
+    """`add.Tensor`-style names of the ATen ops whose edge form some config takes."""
+    return frozenset(config_targets) | _DECOMPOSES_TO_DELEGATED
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    return op_qualified_name(node.target).removeprefix("aten.")
+
+
+def _goes_to_xnnpack(node: torch.fx.Node, delegated: frozenset[str]) -> bool:
+    """By name: `view.default` is delegated as `view_copy.default`."""
+    name = _op_name(node)
+    return name in delegated or name.replace(".", "_copy.", 1) in delegated
+
+
+def beside_delegated_op(node: torch.fx.Node, delegated: frozenset[str]) -> bool:
+    """Some op next to `node`, or next to the chain of squeezes/unsqueezes it is in,
+    is one that XNNPACK takes."""
+    seen, stack = {node}, [node]
+    while stack:
+        current = stack.pop()
+        for n in (current.args[0], *current.users):
+            if n in seen or n.op != "call_function":
+                continue
+            seen.add(n)
+            if n.target in _SHAPE_OPS:
+                stack.append(n)
+            elif _goes_to_xnnpack(n, delegated):
+                return True
+    return False
+
+
+def view_shape(value: torch.Tensor) -> tuple[int, ...] | Declined:
+    symbolic = [i for i, size in enumerate(value.shape) if not isinstance(size, int)]
+    if len(symbolic) > 1:
+        return Declined(
+            f"sizes {symbolic} are symbolic: XNNPACK's static reshape infers at most one"
+        )
+    return tuple(-1 if i in symbolic else size for i, size in enumerate(value.shape))
+
+
+def _written_in_place(node: torch.fx.Node) -> bool:
+    """A user may write through it (a view passes writes to its base, a copy would not)."""
+    for user in node.users:
+        schema = getattr(underlying_op(user.target), "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return True
+    return False
+
+
+def match_shape_op(
+    node: torch.fx.Node, delegated: frozenset[str], dtypes: Collection[torch.dtype]
+) -> ShapeOpAsView | Declined | None:
+    """The view `node` becomes, a reason it stays, or None when it is not ours to judge."""
+    if node.op != "call_function" or node.target not in _SHAPE_OPS:
+        return None
+    source, value = node.args[0], node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or not isinstance(source.meta.get("val"), torch.Tensor):
+        return Declined("no tensor metadata on the op or its input")
+    if is_upstream_delegated(node):
+        return None
+    if value.dtype not in dtypes:
+        return Declined(f"{value.dtype} tensor: XNNPACK reshapes {_names(dtypes)} tensors here")
+    ranks = (source.meta["val"].dim(), value.dim())
+    if max(ranks) > XNN_MAX_TENSOR_DIMS or min(ranks) == 0:
+        return Declined(
+            f"rank {ranks[0]} -> {ranks[1]}: XNNPACK tensors have 1 to {XNN_MAX_TENSOR_DIMS} dims"
+        )
+    if _written_in_place(node):
+        return Declined("a user writes into it in place")
+    if not beside_delegated_op(node, delegated):
+        return Declined("no op beside it goes to XNNPACK: a delegate holding only a reshape")
+    shape = view_shape(value)
+    return shape if isinstance(shape, Declined) else ShapeOpAsView(node, shape)
+
+
+def _names(dtypes: Collection[torch.dtype]) -> str:
+    return "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+
+
+def rewrite_as_view(match: ShapeOpAsView) -> None:
+    node = match.node
+    original = f"{_op_name(node)}{tuple(node.args[1:])}"
+    node.target = aten.view.default
+    node.args = (node.args[0], list(match.shape))
+    node.kwargs = {}
+    node.meta["custom"] = {**node.meta.get("custom", {}), SHAPE_OP_MARK: original}
+
+
+def shape_ops_as_views(
+    program: ExportedProgram, delegated: frozenset[str], *, bf16: bool
+) -> ExportedProgram:
+    """`program`, or a rewritten copy when some squeeze or unsqueeze becomes a view."""
+    dtypes = _FLOATS | {torch.bfloat16} if bf16 else _FLOATS
+    matches = []
+    for node in program.graph.nodes:
+        found = match_shape_op(node, delegated, dtypes)
+        if isinstance(found, Declined):
+            record_declined(FOLD, node.name, found.reason)
+        elif found is not None:
+            matches.append(found.node.name)
+    if not matches:
+        return program
+    program = copy_for_rewrite(program)
+    nodes = {node.name: node for node in program.graph.nodes}
+    for name in matches:
+        match = match_shape_op(nodes[name], delegated, dtypes)
+        rewrite_as_view(match)
+    program.graph_module.recompile()
+    return program
