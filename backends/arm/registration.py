@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """How etfold's Arm passes enter ArmPassManager pipelines.
 
 Nothing is registered on import: `register_arm_folds()` installs, and

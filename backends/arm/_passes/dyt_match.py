@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Graph reading shared by the integer DyT folds (after q/dq folding, INT profile).
 
 At that point a quantized elementwise op reads int32 operands produced by
@@ -8,15 +14,24 @@ touching the graph; anything unexpected answers None and the caller declines.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from executorch.backends.arm._passes.arm_pass import ArmPass
 from executorch.backends.arm._passes.quant_args import QuantArgs
+from executorch.backends.arm.tosa.specification import (
+    TosaLoweringContext,
+    TosaSpecification,
+    get_context_spec,
+)
 from executorch.exir import ExportedProgram
 from executorch.exir.dialects._ops import ops as exir_ops
 from executorch.exir.pass_base import PassResult
+from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from etfold.backends.arm._passes.graph_utils import constant_tensor, delete_constant_if_unused
 from etfold.backends.arm._passes.tosa_integer import Rescale
@@ -159,10 +174,51 @@ def erase_unused(graph_module, exported_program: ExportedProgram, nodes) -> None
             node.graph.erase_node(node)
 
 
+@contextlib.contextmanager
+def tosa_int_context() -> Iterator[None]:
+    """The TOSA lowering context in force, or TOSA-1.0+INT when the pass runs standalone."""
+    try:
+        get_context_spec()
+    except RuntimeError:
+        with TosaLoweringContext(TosaSpecification.create_from_string("TOSA-1.0+INT")):
+            yield
+        return
+    yield
+
+
+def missing_fake_values(graph_module: GraphModule) -> str | None:
+    """Give every node a fake value (meta["val"]) if any lacks one; a reason if impossible.
+
+    The matchers read shapes and dtypes from meta["val"]; a graph built by hand
+    (or by a pass that did not retrace) may carry them only on its placeholders.
+    """
+    nodes = [n for n in graph_module.graph.nodes if n.op not in ("output", "get_attr")]
+    if all(isinstance(n.meta.get("val"), torch.Tensor) for n in nodes):
+        return None
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    values = [n.meta.get("val") for n in placeholders]
+    mode = detect_fake_mode(values)
+    if mode is None or not all(isinstance(v, torch.Tensor) for v in values):
+        return "no fake values to propagate: the graph's placeholders carry no meta['val']"
+    try:
+        FakeTensorProp(graph_module, mode).propagate_dont_convert_inputs(*values)
+    except Exception as error:  # noqa: BLE001 - any failure means: decline, never guess shapes
+        return (
+            f"could not propagate fake values through the graph ({type(error).__name__}: {error})"
+        )
+    return None
+
+
 class IntegerDyTFoldPass(ArmPass):
     """Drives an integer DyT fold: match every node, record each decision, rewrite
     each match, then retrace once so every rewired node's fake value carries the
-    int8 codes it now holds. Subclasses give `FOLD`, `match` and `rewrite`."""
+    int8 codes it now holds. Subclasses give `FOLD`, `match` and `rewrite`.
+
+    Runs standalone as well as inside ArmPassManager: outside a
+    TosaLoweringContext it enters one for TOSA-1.0+INT (the TOSA ops' fake
+    kernels need it), and nodes without meta["val"] get one by fake propagation
+    first; if that fails, every site is declined with the reason.
+    """
 
     FOLD: str
 
@@ -180,6 +236,13 @@ class IntegerDyTFoldPass(ArmPass):
         raise NotImplementedError
 
     def call(self, graph_module: GraphModule) -> PassResult:
+        with tosa_int_context():
+            if reason := missing_fake_values(graph_module):
+                record_declined(self.FOLD, graph_module.__class__.__name__, reason)
+                return PassResult(graph_module, False)
+            return self._fold(graph_module)
+
+    def _fold(self, graph_module: GraphModule) -> PassResult:
         modified = False
         for node in list(graph_module.graph.nodes):
             match = self.match(node)

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Fold DyT's gamma/beta into the following convolution, exactly (TOSA INT).
 
 Given a TABLE t (int8 codes, zero point z_t) feeding, through int32 MUL/ADD with
@@ -24,7 +30,7 @@ RewriteConvPass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from executorch.backends.arm._passes.quant_args import QuantArgs
@@ -413,13 +419,16 @@ def folded_constants_fit(
 
 
 def identity_prefix(site: _Site, evaluation: _Evaluation) -> Node | None:
-    """The last int8 RESCALE of the chain whose codes equal the TABLE's, if any."""
-    z_t = site.steps[0].rescale.input_zp
+    """The last int8 RESCALE of the chain whose codes equal the TABLE's on every code
+    it emits, if any (the whole chain included).
+
+    Identity is by codes, not quantization parameters: readers of that RESCALE
+    keep their own zero points and see the same bytes, so nothing else changes.
+    """
     best = None
-    for index, codes in evaluation.boundaries[:-1]:
-        step = site.steps[index]
-        if step.rescale.output_zp == z_t and bool((codes == evaluation.codes[:, None]).all()):
-            best = step.node
+    for index, codes in evaluation.boundaries:
+        if bool((codes == evaluation.codes[:, None]).all()):
+            best = site.steps[index].node
     return best
 
 
@@ -443,13 +452,27 @@ class AffineIntoConvMatch:
 
 @dataclass(frozen=True)
 class IdentityGammaMatch:
-    """Only an identity prefix (gamma leaving codes unchanged) goes; beta stays."""
+    """An identity prefix of the chain (codes unchanged) goes; the rest stays.
+
+    `reason_kept` says why the rest stays; empty when the whole chain is the
+    identity and nothing stays.
+    """
 
     conv: Node
     table: Node
     prefix_end: Node
     removed: tuple[Node, ...]
     reason_kept: str
+
+
+def _identity_match(site: _Site, evaluation: _Evaluation) -> IdentityGammaMatch | None:
+    prefix_end = identity_prefix(site, evaluation)
+    if prefix_end is None:
+        return None
+    end = [s.node for s in site.steps].index(prefix_end)
+    return IdentityGammaMatch(
+        site.conv, site.table, prefix_end, _removed(site.steps[: end + 1]), reason_kept=""
+    )
 
 
 def _removed(steps: tuple[_Step, ...]) -> tuple[Node, ...]:
@@ -467,48 +490,53 @@ def match_affine_into_conv(
     site = _site(exported_program, conv)
     if site is None:
         return None
-    for predicate in (
-        conv_is_plain,
-        alpha_is_in_the_table,
-        layout_is_unambiguous,
-        layout_is_exclusive,
-        quantization_lines_up,
-    ):
+    for predicate in (conv_is_plain, alpha_is_in_the_table, quantization_lines_up):
         if reason := predicate(site):
             return Declined(reason)
     if reason := table_is_int8_constant(exported_program, site):
         return Declined(reason)
-    for predicate in (conv_zero_point_matches, table_shape_is_conv_shape):
-        if reason := predicate(site):
-            return Declined(reason)
+    if reason := table_shape_is_conv_shape(site):
+        return Declined(reason)
     channels = shape_of(site.table)[site.layout.chain_axis]
     vectors = constants_broadcast_along_channels(site, channels)
     if isinstance(vectors, str):
         return Declined(vectors)
-    conv_constants = conv_constants_supported(exported_program, site, channels)
-    if isinstance(conv_constants, str):
-        return Declined(conv_constants)
     table_values = constant_of(exported_program, site.table.args[1])
     evaluation = evaluate_chain(site, table_values, vectors, channels)
     if isinstance(evaluation, str):
         return Declined(evaluation)
+    identity = _identity_match(site, evaluation)
+    if identity is not None and identity.prefix_end is site.output:
+        return identity
+    folded = _fold_into_conv(exported_program, site, evaluation, channels)
+    if isinstance(folded, str):
+        return Declined(folded) if identity is None else replace(identity, reason_kept=folded)
+    return folded
+
+
+def _fold_into_conv(
+    exported_program: ExportedProgram, site: _Site, evaluation: _Evaluation, channels: int
+) -> AffineIntoConvMatch | str:
+    """The whole chain into the conv's weight and bias, or why not (the layout and
+    the conv's constants matter only here)."""
+    for predicate in (layout_is_unambiguous, layout_is_exclusive, conv_zero_point_matches):
+        if reason := predicate(site):
+            return reason
+    conv_constants = conv_constants_supported(exported_program, site, channels)
+    if isinstance(conv_constants, str):
+        return conv_constants
     read = torch.unique(conv_constants.global_channels)
     fit = map_is_exactly_affine(site, evaluation, read)
-    reason = fit if isinstance(fit, str) else padding_keeps_one_bias(site, fit, read)
-    if reason:
-        prefix_end = identity_prefix(site, evaluation)
-        if prefix_end is None:
-            return Declined(reason)
-        end = [s.node for s in site.steps].index(prefix_end)
-        return IdentityGammaMatch(
-            conv, site.table, prefix_end, _removed(site.steps[: end + 1]), reason
-        )
+    if isinstance(fit, str):
+        return fit
+    if reason := padding_keeps_one_bias(site, fit, read):
+        return reason
     folded = folded_constants_fit(site, conv_constants, fit)
     if isinstance(folded, str):
-        return Declined(folded)
+        return folded
     weight, bias = folded
     return AffineIntoConvMatch(
-        conv=conv,
+        conv=site.conv,
         table=site.table,
         output=site.output,
         layout=site.layout.nodes,
@@ -587,6 +615,8 @@ class FoldDyTAffineIntoConvPass(IntegerDyTFoldPass):
     ) -> str:
         if isinstance(match, IdentityGammaMatch):
             rewrite_identity_gamma(graph_module, self.exported_program, match)
+            if not match.reason_kept:
+                return "removed gamma/beta: their codes equal the TABLE's"
             return f"removed the identity gamma, kept beta ({match.reason_kept})"
         rewrite_affine_into_conv(self.exported_program, graph_module, match)
         return (

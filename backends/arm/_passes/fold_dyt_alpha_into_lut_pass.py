@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Fold DyT's alpha into the tanh lookup table (TOSA INT, after q/dq folding).
 
 Given (int8 activation x, int8 scalar constant alpha, per-tensor RESCALEs R):
@@ -255,8 +261,8 @@ def rewrite_alpha_into_table(
         graph_module,
         exported_program,
         [
-            f"b_{match.tanh.name}_alpha_folded_table",
-            f"b_{match.tanh.name}_alpha_folded_table_{tensor_digest(match.table)}",
+            f"b_{match.tanh.name}_dyt_table_constant",
+            f"b_{match.tanh.name}_dyt_table_constant_{tensor_digest(match.table)}",
         ],
     )
     table_constant = create_constant(

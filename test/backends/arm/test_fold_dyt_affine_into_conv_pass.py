@@ -1,5 +1,12 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """FoldDyTAffineIntoConvPass on TOSA INT: gamma/beta into the next conv, bit-identical codes."""
 
+import copy
 import functools
 
 import pytest
@@ -80,11 +87,11 @@ def test_matrix_identity_folds_random_declines_bit_identically(nhwc):
     before, after, affine = _lower_both(Sites(_matrix_sites(nhwc)), _inputs())
     sites = 2 * len(CONVS)
     assert (before["MUL"], before["ADD"], before["TABLE"]) == (2 * sites, sites, sites)
-    # every alpha folds; identity gamma/beta fold into their conv; random ones stay
+    # every alpha folds; identity gamma/beta go (their codes are the TABLE's); random ones stay
     assert (after["MUL"], after["ADD"], after["TABLE"]) == (sites // 2, sites // 2, sites)
     assert [d.applied for d in affine] == [True, False] * len(CONVS)
     for identity, random in zip(affine[::2], affine[1::2], strict=True):
-        assert "slopes [1], 0 channels with an offset" in identity.detail
+        assert identity.detail == "removed gamma/beta: their codes equal the TABLE's"
         assert "not exactly affine" in random.detail
 
 
@@ -229,9 +236,14 @@ def test_declines_when_conv_is_transposed():
 
 
 class DoublePermute(torch.nn.Module):
+    """Two permutes between an exactly affine gamma/beta (EXACT's) and the conv."""
+
     def __init__(self):
         super().__init__()
         self.dyt = DyT(4, nhwc=True)
+        with torch.no_grad():
+            self.dyt.gamma.copy_(torch.tensor(EXACT["gamma"]))
+            self.dyt.beta.copy_(torch.tensor(EXACT["beta"]))
         self.conv = torch.nn.Conv2d(4, 4, 1)
 
     def forward(self, x):
@@ -244,10 +256,15 @@ def test_declines_when_layout_provenance_is_ambiguous():
 
 
 class SharedPermute(torch.nn.Module):
-    def __init__(self):
+    """The conv's layout permute is also a model output; gamma/beta as given."""
+
+    def __init__(self, gamma=(2.0, 2.0, 0.0, 2.0), beta=(0.0, 0.0, 0.7, 0.0), padding=0):
         super().__init__()
         self.dyt = DyT(4, nhwc=True)
-        self.conv = torch.nn.Conv2d(4, 4, 1)
+        with torch.no_grad():
+            self.dyt.gamma.copy_(torch.tensor(gamma))
+            self.dyt.beta.copy_(torch.tensor(beta))
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=padding)
 
     def forward(self, x):
         y = self.dyt(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
@@ -255,7 +272,19 @@ class SharedPermute(torch.nn.Module):
 
 
 def test_declines_when_conv_input_layout_is_shared():
+    """Exactly affine (EXACT's gamma/beta), but the permute also feeds an output."""
     assert "conv input is shared" in _probe("shared_permute")
+
+
+@pytest.mark.parametrize("padding", [0, 1], ids=["unpadded", "padded"])
+def test_identity_gamma_goes_even_where_the_layout_permute_is_shared(padding):
+    """Removing an identity prefix leaves the layout alone, so a shared permute is no obstacle."""
+    torch.manual_seed(0)
+    module = SharedPermute(gamma=(1.0,) * 4, beta=(0.1, -0.3, 0.2, 0.05), padding=padding)
+    before, after, affine = _lower_both(module, _inputs())
+    assert [d.applied for d in affine] == [True]
+    assert "removed the identity gamma, kept beta (the conv input is shared" in affine[0].detail
+    assert (before["MUL"] - after["MUL"], before["ADD"] - after["ADD"]) == (2, 0)  # alpha, gamma
 
 
 def test_declines_when_table_zero_point_mismatches_chain():
@@ -366,3 +395,33 @@ def test_declines_when_folded_bias_overflows_int32():
         exported_program.state_dict[target] = extremes
 
     assert "bias overflows" in _probe("exact", saturate_bias)
+
+
+# --- standalone, as upstream's tests run it: no lowering context, fake values only on placeholders
+
+
+def _without_fake_values(snapshot, placeholders=False):
+    program = copy.deepcopy(snapshot)
+    for node in program.graph_module.graph.nodes:
+        if node.op == "call_function" or (placeholders and node.op == "placeholder"):
+            node.meta.pop("val", None)
+    return program
+
+
+def test_runs_standalone_making_its_own_context_and_fake_values():
+    _, inside_pipeline, _ = run_pass_on(_snapshot("exact"), FoldDyTAffineIntoConvPass())
+    program = _without_fake_values(_snapshot("exact"))
+    with collect_decisions() as decisions:
+        result = FoldDyTAffineIntoConvPass(program).call(program.graph_module)
+    assert result.modified and [(d.fold, d.applied) for d in decisions] == [(FOLD, True)]
+    assert result.graph_module.code == inside_pipeline
+
+
+def test_declines_when_no_fake_values_can_be_made():
+    program = _without_fake_values(_snapshot("exact"), placeholders=True)
+    before = program.graph_module.code
+    with collect_decisions() as decisions:
+        result = FoldDyTAffineIntoConvPass(program).call(program.graph_module)
+    assert not result.modified and program.graph_module.code == before
+    assert [(d.fold, d.applied) for d in decisions] == [(FOLD, False)]
+    assert "placeholders carry no meta['val']" in decisions[0].detail

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """FoldDyTAlphaIntoLUTPass on TOSA INT: one TABLE for tanh(alpha * x), bit-identical codes."""
 
 import functools

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """register_arm_folds(): etfold's passes where upstream's ran, upstream's unguarded fold nowhere.
 
 The final pass lists of both pipelines are read from real ArmPassManager runs
