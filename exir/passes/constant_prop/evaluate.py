@@ -62,12 +62,15 @@ def evaluate(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]):
 def evaluate_selection(selection: Selection) -> Evaluation:
     values: dict[torch.fx.Node, Any] = {n: s.tensor for n, s in selection.sources.items()}
     folded: list[torch.fx.Node] = []
+    dropped: set[torch.fx.Node] = set()  # declined here, or reading such a node
     for node in selection.nodes:
-        if not all(p in values for p in node.all_input_nodes):
-            continue  # reads a node whose evaluation was declined
+        if dropped and any(p in dropped for p in node.all_input_nodes):
+            dropped.add(node)
+            continue
         value = evaluate(node, values)
         if isinstance(value, Declined):
             record_declined(FOLD, node.name, value.reason)
+            dropped.add(node)
             continue
         values[node] = value
         folded.append(node)
