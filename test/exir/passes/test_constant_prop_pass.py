@@ -21,6 +21,8 @@ from executorch.exir.dialects._ops import ops as exir_ops
 from executorch.exir.passes.constant_prop_pass import (
     constant_prop_pass as upstream_constant_prop_pass,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.export.graph_signature import InputKind
 
 from etfold.decisions import collect_decisions
@@ -1044,3 +1046,58 @@ def test_program_without_placeholders_is_returned_untouched():
     before = str(ep.graph)
     assert constant_prop_pass(ep) is ep and str(ep.graph) == before
     assert_close(run_module(ep), eager(model), atol=0)
+
+
+WEIGHT_STEPS = {
+    "scale": lambda w: w * 0.5,
+    "transpose": lambda w: w.t(),
+    "exp": lambda w: (w * 0.1).exp(),
+    "add_self": lambda w: w + w,
+    "row_sum": lambda w: w.sum(0, keepdim=True).expand_as(w),  # a zero-stride result
+    "plus_ones": lambda w: w + torch.ones_like(w),  # a fill factory: folds by default
+    "dequantize": lambda w: torch.ops.quantized_decomposed.dequantize_per_tensor.default(
+        torch.ops.quantized_decomposed.quantize_per_tensor.default(
+            w, 0.05, 0, -128, 127, torch.int8
+        ),
+        0.05,
+        0,
+        -128,
+        127,
+        torch.int8,
+    ),
+}
+
+
+class GeneratedWeight(torch.nn.Module):
+    def __init__(self, steps):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+        self.steps = steps
+
+    def forward(self, x):
+        w = self.w
+        for step in self.steps:
+            w = WEIGHT_STEPS[step](w)
+        return x @ w
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    steps=st.lists(st.sampled_from(sorted(WEIGHT_STEPS)), min_size=1, max_size=5),
+    at_edge=st.booleans(),
+)
+def test_generated_weight_chains_fold_like_upstream(steps, at_edge):
+    model, x = GeneratedWeight(steps), torch.randn(2, 4)
+    programs = []
+    for run in (upstream_constant_prop_pass, constant_prop_pass):
+        ep = export(model, x)
+        if at_edge:
+            config = EdgeCompileConfig(_check_ir_validity=False)
+            ep = to_edge(ep, compile_config=config).exported_program()
+        programs.append(run(ep))
+    theirs, ours = programs
+    assert ops(ours) == ops(theirs)
+    assert layout(ours) == layout(theirs)
+    for name, value in ours.constants.items():
+        assert value.is_contiguous() and torch.equal(value, theirs.constants[name])
+    assert_close(run_module(ours, x), eager(model, x), atol=1e-5)
