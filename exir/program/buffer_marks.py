@@ -13,7 +13,8 @@ entry point), so a fold must treat it as possibly written.
 Programs are not functionalized yet when this runs, so a write is an in-place
 op on the buffer or on a view of it, a custom op whose schema marks that
 argument mutable, or an op whose schema is unknown; a functionalized program's
-BUFFER_MUTATION outputs count as writes too.
+BUFFER_MUTATION outputs count as writes too. An autocast or grad-mode region
+writes a buffer when its body does (its results are taken as views of it).
 """
 
 from __future__ import annotations
@@ -31,11 +32,31 @@ from etfold.exir.passes.graph_walk import op_qualified_name
 BUFFER_FOLD_BLOCKERS = "etfold_buffer_fold_blockers"
 
 
+# higher-order regions whose body is plain code -> the position of the body argument
+_REGION_BODY_AT = {
+    torch.ops.higher_order.wrap_with_autocast: 4,
+    torch.ops.higher_order.wrap_with_set_grad_enabled: 1,
+}
+
+
+def _region_roles(user: torch.fx.Node, value: torch.fx.Node) -> set[str]:
+    """A region writes `value` when its body writes the operand; its results may alias it."""
+    at = _REGION_BODY_AT[user.target]
+    body = getattr(user.graph.owning_module, getattr(user.args[at], "target", ""), None)
+    if not isinstance(body, torch.fx.GraphModule):
+        return {"unknown"}
+    operands = zip(user.args[at + 1 :], body.graph.find_nodes(op="placeholder"), strict=False)
+    inner = [placeholder for operand, placeholder in operands if operand is value]
+    return {"write", "alias"} if any(map(in_place_writes, inner)) else {"alias"}
+
+
 def _argument_roles(user: torch.fx.Node, value: torch.fx.Node) -> set[str]:
     """How `user` treats `value`: "write", "alias" (a view), "read" or "unknown"."""
     target = user.target
     if target is operator.getitem:
         return {"alias"}
+    if target in _REGION_BODY_AT:
+        return _region_roles(user, value)
     if not isinstance(target, torch._ops.OpOverload):
         return {"unknown"}
     schema = target._schema
