@@ -1,23 +1,32 @@
-"""The one install step behind delegated dtype converts.
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""The one install step behind delegated dtype converts and the layout guard.
 
 Upstream has no hook in `XnnpackBackend.preprocess` and its backend lookup is by
 class name, so etfold wraps that static method. The wrapper acts only on
-programs that etfold's partitioner marked with the `DTYPE_CONVERTS_SPEC`
-compile spec: it runs `RewriteDtypeCopiesAsConvertsPass` first, then upstream's
-preprocess unchanged. Unmarked programs go straight to upstream's preprocess
-with the same arguments, so stock lowering serializes byte-identically.
-`XNNConvertVisitor` enters upstream's node-visitor registry under a target that
-only marked delegates contain.
+programs that etfold's partitioner marked with a compile spec
+(`DTYPE_CONVERTS_SPEC`, the layout guard); unmarked programs go straight to
+upstream's preprocess with the same arguments, so stock lowering serializes
+byte-identically. `XNNConvertVisitor` enters upstream's node-visitor registry
+under a target that only marked delegates contain.
 
-Nothing happens at import. `install()` is idempotent, `uninstall()` restores
-upstream exactly, and both raise `UpstreamShapeError` when upstream no longer
-looks like what this module was written against.
+The install is held, never left behind: etfold's partitioner takes one hold per
+marked partition it returns, and the wrapper gives each back once that
+partition is preprocessed; etfold's `to_edge_transform_and_lower` also gives
+back, when it returns or raises, every hold taken during its call. When the
+last hold goes, upstream is restored exactly. Nothing happens at import.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
+import threading
 from collections.abc import Iterator
 
 from executorch.backends.xnnpack._passes.channels_last_tagged_reshape_pass import (
@@ -45,6 +54,14 @@ _PREPROCESS_PARAMETERS = ["edge_program", "compile_specs"]
 # the staticmethod object install() replaced, put back as is by uninstall()
 _upstream: dict[str, staticmethod] = {}
 
+_lock = threading.RLock()
+_holds = 0
+_installed_by_holds = False  # False when install() was called directly: holds leave it be
+# holds taken inside one etfold lowering call and not yet given back: [count]
+_call_holds: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "etfold_xnnpack_call_holds", default=None
+)
+
 
 class UpstreamShapeError(RuntimeError):
     """Upstream ExecuTorch changed in a way this install step was not written for."""
@@ -54,13 +71,27 @@ def _wants_dtype_converts(compile_specs) -> bool:
     return any(spec.key == DTYPE_CONVERTS_SPEC.key for spec in compile_specs)
 
 
+def _wants_layout_guard(compile_specs) -> bool:
+    return has_layout_guard(compile_specs)
+
+
+def is_marked(compile_specs) -> bool:
+    """The partition carries a spec that etfold's preprocess wrapper acts on."""
+    return _wants_dtype_converts(compile_specs) or _wants_layout_guard(compile_specs)
+
+
 def _marked_preprocess(edge_program, compile_specs):
-    with contextlib.ExitStack() as scope:
-        if has_layout_guard(compile_specs):
-            scope.enter_context(last_axis_ops_read_nchw())
-        if _wants_dtype_converts(compile_specs):
-            RewriteDtypeCopiesAsConvertsPass()(edge_program.graph_module)
+    if not is_marked(compile_specs):
         return _marked_preprocess.upstream(edge_program, compile_specs)
+    try:
+        with contextlib.ExitStack() as scope:
+            if _wants_layout_guard(compile_specs):
+                scope.enter_context(last_axis_ops_read_nchw())
+            if _wants_dtype_converts(compile_specs):
+                RewriteDtypeCopiesAsConvertsPass()(edge_program.graph_module)
+            return _marked_preprocess.upstream(edge_program, compile_specs)
+    finally:
+        release()
 
 
 def _registry() -> dict:
@@ -137,13 +168,58 @@ def uninstall() -> None:
         del registry[XNNConvertVisitor.target]
 
 
+def acquire(count: int = 1) -> None:
+    """Take `count` holds on the install; the first hold installs."""
+    global _holds, _installed_by_holds
+    if count <= 0:
+        return
+    with _lock:
+        if _holds == 0:
+            _installed_by_holds = not is_installed()
+            install()
+        _holds += count
+    taken = _call_holds.get()
+    if taken is not None:
+        taken[0] += count
+
+
+def release(count: int = 1) -> None:
+    """Give back `count` holds; the last one restores upstream."""
+    global _holds
+    with _lock:
+        count = min(count, _holds)
+        if count == 0:
+            return
+        _holds -= count
+        if _holds == 0 and _installed_by_holds:
+            uninstall()
+    taken = _call_holds.get()
+    if taken is not None:
+        taken[0] = max(0, taken[0] - count)
+
+
+def holds() -> int:
+    return _holds
+
+
 @contextlib.contextmanager
-def installed() -> Iterator[None]:
-    """Install for the block; restore the previous state after it."""
-    was_installed = is_installed()
-    install()
+def holds_released_on_exit() -> Iterator[None]:
+    """Around one lowering call: the holds its partitions took and its preprocess
+    calls did not give back (the lowering raised, or never preprocessed) go too."""
+    token = _call_holds.set([0])
     try:
         yield
     finally:
-        if not was_installed:
-            uninstall()
+        left = _call_holds.get()[0]
+        _call_holds.reset(token)
+        release(left)
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """Installed for the block (one hold); restored after it unless others hold it."""
+    acquire()
+    try:
+        yield
+    finally:
+        release()

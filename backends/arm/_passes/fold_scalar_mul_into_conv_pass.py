@@ -63,6 +63,13 @@ SCALE_NOT_CONSTANT = "scale is not a constant"
 SCALE_NOT_FINITE = "scale is not finite (NaN or Inf)"
 SCALE_NOT_CHANNELWISE = "scale broadcasts along a non-channel dimension"
 CHANGES_OUTPUT = "mul changes the conv output's shape or dtype"
+WEIGHT_BELOW_SCALE_FLOOR = (
+    "folding shrinks a channel's weights below the smallest int8 weight scale Arm's"
+    " quantizer allows (2^-16 per step), costing more than half an output step"
+)
+# Arm's symmetric quantization configs floor every observer scale at 2^-16.
+MIN_WEIGHT_SCALE = 2.0**-16
+INT8_MAX = 127
 CHANNELS_MIXED = (
     "the layout between the layer and the multiply does not keep the channel axis whole"
 )
@@ -233,6 +240,47 @@ def is_finite(scale: torch.Tensor) -> bool:
     return bool(torch.isfinite(scale).all())
 
 
+def scaled_weight(
+    weight: torch.Tensor, scale: torch.Tensor, transposed: bool, groups: int
+) -> torch.Tensor:
+    """`weight` with output channel c multiplied by scale[c] (transposed convs keep
+    output channels on axis 1, per group)."""
+    if not transposed:
+        return weight * scale.reshape(-1, *([1] * (weight.dim() - 1)))
+    grouped = weight.reshape(groups, weight.shape[0] // groups, *weight.shape[1:])
+    return (grouped * scale.reshape(groups, 1, -1, *([1] * (weight.dim() - 2)))).reshape(
+        weight.shape
+    )
+
+
+def _channel_peaks(weight: torch.Tensor, transposed: bool, groups: int) -> torch.Tensor:
+    if not transposed:
+        return weight.abs().flatten(1).amax(1)
+    grouped = weight.abs().reshape(groups, weight.shape[0] // groups, weight.shape[1], -1)
+    return grouped.amax(dim=(1, 3)).flatten()
+
+
+def keeps_weight_precision(
+    weight: torch.Tensor, scale: torch.Tensor, transposed: bool, groups: int
+) -> bool:
+    """No channel loses more to the int8 weight-scale floor than half an output step.
+
+    Channel c's folded weights peak at P_c; int8 resolves them in steps of
+    max(P_c / 127, 2^-16). The output's step follows the largest channel,
+    roughly max(P) / 127 in the same units, so the floor costs channel c about
+    (127 * 2^-16 - P_c) / 127 more than it should: decline when that passes half
+    of max(P) / 127. A channel scaled to zero stays exact; one the fold does not
+    shrink loses nothing it had.
+    """
+    before = _channel_peaks(weight.detach(), transposed, groups)
+    after = _channel_peaks(
+        scaled_weight(weight.detach(), scale, transposed, groups), transposed, groups
+    )
+    shrunk = (after > 0) & (after < before)
+    cost = (INT8_MAX * MIN_WEIGHT_SCALE - after).clamp(min=0)
+    return not bool((shrunk & (cost > after.max() / 2)).any())
+
+
 def varies_only_along_channels(
     scale: torch.Tensor, output_shape: torch.Size, out_channels: int, channel_axis: int = 1
 ) -> bool:
@@ -368,6 +416,8 @@ class FoldScalarMulIntoConvPass(ArmPass):
         channel_scale = (
             scale_tensor.detach().to(weight_tensor.dtype).reshape(-1).expand(out_channels).clone()
         )
+        if not keeps_weight_precision(weight_tensor, channel_scale, transposed, groups):
+            return Declined(WEIGHT_BELOW_SCALE_FLOOR)
         return ConvScaleMatch(
             mul=mul,
             conv=conv,
@@ -385,13 +435,8 @@ class FoldScalarMulIntoConvPass(ArmPass):
     def rewrite(
         self, graph_module: GraphModule, program: ExportedProgram | None, m: ConvScaleMatch
     ) -> str:
-        weight, scale = m.weight_tensor.detach(), m.channel_scale
-        if m.transposed:
-            grouped = weight.reshape(m.groups, weight.shape[0] // m.groups, *weight.shape[1:])
-            per_weight = scale.reshape(m.groups, 1, -1, *([1] * (weight.dim() - 2)))
-            folded_weight = (grouped * per_weight).reshape(weight.shape)
-        else:
-            folded_weight = weight * scale.reshape(-1, *([1] * (weight.dim() - 1)))
+        scale = m.channel_scale
+        folded_weight = scaled_weight(m.weight_tensor.detach(), scale, m.transposed, m.groups)
         digest = tensor_digest(scale)
 
         def fresh(source: Node) -> str:

@@ -502,3 +502,47 @@ def test_declines_when_conv_is_already_quantized():
         conv.meta["output_qparams"] = {0: object()}
 
     assert _declines(ConvThen(lambda self, y, e: y * 2.0), annotate) == fold.QUANTIZED
+
+
+def test_declines_when_folding_shrinks_weights_below_the_int8_scale_floor():
+    model = ConvThen(
+        lambda self, y, e: y * self.scale,
+        scale=torch.tensor([1e-3, 2e-3, 1.5e-3, 1e-3]).reshape(1, 4, 1, 1),
+    )
+    assert _declines(model) == fold.WEIGHT_BELOW_SCALE_FLOOR
+
+
+def test_tiny_per_channel_scales_stay_as_accurate_as_unfolded_in_int8():
+    torch.manual_seed(3)
+    scale = torch.linspace(1e-3, 2e-3, 8)
+    model = ConvScale(2, scale).eval()
+    inputs = (torch.randn(1, 3, 6, 6),)
+    reference = eager_outputs(model, inputs)[0]
+    with collect_decisions() as journal:
+        ours = lower(model, inputs, INT, "etfold")
+    unfolded = lower(model, inputs, INT, "unfolded")
+    (lsb,) = output_scales(ours)[-1:]
+    assert [d.detail for d in mine(journal)] == [fold.WEIGHT_BELOW_SCALE_FLOOR]
+    ours_max, ours_mean = errors(ours, inputs, reference)
+    unfolded_max, unfolded_mean = errors(unfolded, inputs, reference)
+    assert ours_max <= unfolded_max + lsb and no_worse(ours_mean, unfolded_mean)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_weight_floor_guard_reads_output_channels_on_the_right_axis(transposed):
+    """Small weights everywhere but output channel 4's: shrinking channel 4 is fine,
+    shrinking channel 3 as much pushes it below the int8 scale floor."""
+    groups, cin, cout = 2, 4, 6
+    shape = (cin, cout // groups, 3, 3) if transposed else (cout, cin // groups, 3, 3)
+    weight = torch.full(shape, 2e-3)
+    if transposed:  # output channel 4 = group 1, channel 1 within the group
+        weight[cin // groups :, 1] = 0.05
+    else:
+        weight[4] = 0.05
+    scale = torch.ones(cout)
+    scale[4] = 0.05
+    assert fold.keeps_weight_precision(weight, scale, transposed, groups)
+    scale[3] = 0.05
+    assert not fold.keeps_weight_precision(weight, scale, transposed, groups)
+    scale[3] = 0.0  # exact zeros lose nothing
+    assert fold.keeps_weight_precision(weight, scale, transposed, groups)

@@ -23,6 +23,7 @@ from etfold.backends.xnnpack import XnnpackPartitioner, install
 from etfold.backends.xnnpack._passes.dtype_convert_match import CONVERT_TARGET
 from etfold.backends.xnnpack.operators.op_convert import XNNConvertVisitor
 from etfold.demo_models.plain_models import ConvBlock, Mlp
+from etfold.exir import to_edge_transform_and_lower as etfold_lower
 from etfold.harness.xnnpack_runner import export_method, lower_module_xnnpack, lower_xnnpack
 
 
@@ -93,8 +94,53 @@ def test_partitioning_with_etfold_installs_before_preprocess(pristine):
     program, expected = lower_module_xnnpack(
         ToHalf(), (x,), [XnnpackPartitioner(fold_weights=False)]
     )
-    assert install.is_installed()
+    assert program.delegates() == 1 and not program.ops_outside()  # the convert was delegated
     assert torch.equal(program.run(x)[0], expected[0])
+    assert not install.is_installed() and install.holds() == 0  # upstream is itself again
+
+
+def test_holds_taken_by_a_lowering_that_raises_are_given_back(pristine):
+    class ToHalf(torch.nn.Module):
+        def forward(self, x):
+            return x.half()
+
+    program = torch.export.export(ToHalf(), (torch.randn(2, 3),))
+
+    class Failing(XnnpackPartitioner):
+        def partition(self, exported_program):
+            super().partition(exported_program)
+            assert install.is_installed() and install.holds() == 1
+            raise RuntimeError("planted")
+
+    with pytest.raises(RuntimeError, match="planted"):
+        etfold_lower(program, partitioner=[Failing(fold_weights=False)])
+    assert not install.is_installed() and install.holds() == 0
+    assert inspect.getattr_static(XnnpackBackend, "preprocess") is pristine[0]
+
+
+def test_holds_from_concurrent_threads_never_race_the_install(pristine):
+    """torch's tracing is process-global, so whole lowerings cannot run in threads
+    (stock neither); etfold's own state must still be safe there: many threads
+    taking and giving back holds, each checking the install while it holds one."""
+    import threading
+
+    seen, barrier = [], threading.Barrier(4)
+
+    def churn():
+        barrier.wait()
+        for _ in range(200):
+            install.acquire()
+            seen.append(install.is_installed())
+            install.release()
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(seen) == 800 and all(seen)
+    assert not install.is_installed() and install.holds() == 0
+    assert inspect.getattr_static(XnnpackBackend, "preprocess") is pristine[0]
 
 
 @pytest.mark.parametrize(

@@ -146,3 +146,51 @@ def test_derived_managers_stay_checked():
     assert isinstance(derived, CheckedEdgeProgramManager)
     runtime = load_program(derived.to_executorch())
     assert_close(list(runtime.run_method("forward", (x,))), eager_outputs(model, (x,)), atol=1e-4)
+
+
+def _fingerprint(program) -> tuple:
+    """Graph code, signature, every node's metadata (keys and the objects held) and the
+    state tensors' values: what a user could observe of their ExportedProgram."""
+    meta = [
+        (node.name, tuple(sorted((key, id(value)) for key, value in node.meta.items())))
+        for node in program.graph.nodes
+    ]
+    state = {k: v.detach().clone() for k, v in program.state_dict.items()}
+    return program.graph_module.code, str(program.graph_signature), meta, state
+
+
+def _same(before: tuple, after: tuple) -> bool:
+    code, signature, meta, state = before
+    return (
+        (code, signature, meta) == after[:3]
+        and state.keys() == after[3].keys()
+        and all(torch.equal(state[k], after[3][k]) for k in state)
+    )
+
+
+class GainWritten(torch.nn.Module):
+    """A weight-normed conv (the weight fold fires), an fp16 GELU (the widening fires)
+    and a buffer written in place that another method reads (the buffer marks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 4, 3))
+        self.register_buffer("gain", torch.ones(4))
+
+    def forward(self, x):
+        self.gain.mul_(0.5)
+        return torch.nn.functional.gelu(self.conv(x).half()).float()
+
+    def read(self, x):
+        return self.conv(x) * self.gain.reshape(-1, 1)
+
+
+def test_the_users_programs_are_unchanged_by_lowering():
+    from etfold.backends.xnnpack import XnnpackPartitioner as EtfoldPartitioner
+
+    model, x = GainWritten().eval(), torch.randn(1, 4, 8)
+    users = programs(Methods().eval(), torch.randn(2, 8))
+    users.update({m: export_method(model, m, (x,)) for m in ("forward", "read")})
+    before = {m: _fingerprint(p) for m, p in users.items()}
+    to_edge_transform_and_lower(users, partitioner=[EtfoldPartitioner()])
+    assert all(_same(before[m], _fingerprint(p)) for m, p in users.items())
