@@ -29,11 +29,13 @@ from executorch.backends.arm.tosa.specification import (
 from executorch.exir import ExportedProgram
 from executorch.exir.dialects._ops import ops as exir_ops
 from executorch.exir.pass_base import PassResult
-from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from etfold.backends.arm._passes.graph_utils import constant_tensor, delete_constant_if_unused
+from etfold.backends.arm._passes.graph_utils import (
+    constant_tensor,
+    delete_constant_if_unused,
+    ensure_fake_values,
+)
 from etfold.backends.arm._passes.tosa_integer import Rescale
 from etfold.decisions import Declined, record_applied, record_declined
 
@@ -186,29 +188,6 @@ def tosa_int_context() -> Iterator[None]:
     yield
 
 
-def missing_fake_values(graph_module: GraphModule) -> str | None:
-    """Give every node a fake value (meta["val"]) if any lacks one; a reason if impossible.
-
-    The matchers read shapes and dtypes from meta["val"]; a graph built by hand
-    (or by a pass that did not retrace) may carry them only on its placeholders.
-    """
-    nodes = [n for n in graph_module.graph.nodes if n.op not in ("output", "get_attr")]
-    if all(isinstance(n.meta.get("val"), torch.Tensor) for n in nodes):
-        return None
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    values = [n.meta.get("val") for n in placeholders]
-    mode = detect_fake_mode(values)
-    if mode is None or not all(isinstance(v, torch.Tensor) for v in values):
-        return "no fake values to propagate: the graph's placeholders carry no meta['val']"
-    try:
-        FakeTensorProp(graph_module, mode).propagate_dont_convert_inputs(*values)
-    except Exception as error:  # noqa: BLE001 - any failure means: decline, never guess shapes
-        return (
-            f"could not propagate fake values through the graph ({type(error).__name__}: {error})"
-        )
-    return None
-
-
 class IntegerDyTFoldPass(ArmPass):
     """Drives an integer DyT fold: match every node, record each decision, rewrite
     each match, then retrace once so every rewired node's fake value carries the
@@ -237,7 +216,7 @@ class IntegerDyTFoldPass(ArmPass):
 
     def call(self, graph_module: GraphModule) -> PassResult:
         with tosa_int_context():
-            if reason := missing_fake_values(graph_module):
+            if reason := ensure_fake_values(graph_module):
                 record_declined(self.FOLD, graph_module.__class__.__name__, reason)
                 return PassResult(graph_module, False)
             return self._fold(graph_module)

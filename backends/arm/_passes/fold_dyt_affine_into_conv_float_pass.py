@@ -42,6 +42,7 @@ from etfold.backends.arm._passes.graph_utils import (
     constant_tensor,
     create_constant,
     delete_constant_if_unused,
+    ensure_fake_values,
     fresh_constant_name,
 )
 from etfold.decisions import Declined, record_applied, record_declined
@@ -412,7 +413,11 @@ def rewrite_float_affine(graph_module: GraphModule, match: FloatAffineMatch) -> 
 
 
 class FoldDyTAffineIntoConvFloatPass(ArmPass):
-    """`conv(L(gamma * tanh(alpha x) + beta))` -> `conv'(L(tanh(alpha x)))`; see the module docstring."""
+    """`conv(L(gamma * tanh(alpha x) + beta))` -> `conv'(L(tanh(alpha x)))`; see the module docstring.
+
+    Runs standalone too: nodes without meta["val"] get one by fake propagation
+    first; if that is impossible the pass declines with the reason.
+    """
 
     _passes_required_after: set[type[ExportPass]] = set()
 
@@ -420,10 +425,16 @@ class FoldDyTAffineIntoConvFloatPass(ArmPass):
         super().__init__(tfa_pass=tfa_pass)
 
     def call(self, graph_module: GraphModule) -> PassResult:
+        layers = [
+            n
+            for n in graph_module.graph.nodes
+            if n.op == "call_function" and n.target in (*_CONVS, *_LINEARS)
+        ]
+        if layers and (reason := ensure_fake_values(graph_module)):
+            record_declined(FOLD, layers[0].name, reason)
+            return PassResult(graph_module, False)
         modified = False
-        for node in list(graph_module.graph.nodes):
-            if node.op != "call_function" or node.target not in (*_CONVS, *_LINEARS):
-                continue
+        for node in layers:
             if not self.allowed_to_transform(node.meta):
                 continue
             match = match_float_affine(node)

@@ -21,10 +21,15 @@ integers a_c, b_c (checked exactly, all channels at once), then
     B'[o]     = B[o] + sum_{c,k} (W[o,c,k] - z_w) * b_c
 
 and the conv reads the TABLE directly: the accumulator is the same integer, so
-the conv output is bit-identical. With padding the b_c term only holds where the
+the conv output is bit-identical. Between the affine and the conv may sit one
+permute, one slice (its kept channels are read) and views that keep the channel
+axis whole: upstream lowers a linear to a 1x1 conv between two `view_copy`, so
+a DyT before a linear folds the same way. With padding the b_c term only holds where the
 kernel window is inside the input, so a padded conv folds only when every b_c
-is 0; otherwise an identity prefix of the chain (gamma that leaves the codes
-unchanged) is removed and beta is kept. Runs after InsertTableOpsPass and before
+is 0. A chain, or a prefix of it, that leaves every code the TABLE emits
+unchanged is removed outright (identity by codes: its readers keep their own
+zero points and read the same bytes), even where the layout is shared and no
+fold into the conv is possible; the rest is kept. Runs after InsertTableOpsPass and before
 RewriteConvPass.
 """
 
@@ -46,6 +51,7 @@ from etfold.backends.arm._passes.dyt_match import (
     RESCALE,
     SLICE,
     TABLE,
+    VIEW,
     IntegerDyTFoldPass,
     channel_vector,
     constant_of,
@@ -56,6 +62,7 @@ from etfold.backends.arm._passes.dyt_match import (
     single_qargs,
 )
 from etfold.backends.arm._passes.graph_utils import (
+    axis_before_view,
     create_constant,
     fresh_constant_name,
     tensor_digest,
@@ -89,10 +96,10 @@ class _Step:
 
 @dataclass(frozen=True)
 class _Layout:
-    """Permute/slice nodes between the chain output and the conv, conv first."""
+    """Permute/slice/view nodes between the chain output and the conv, conv first."""
 
     nodes: tuple[Node, ...]
-    chain_axis: int  # the axis of the chain's tensors that becomes the conv's channel axis
+    chain_axis: int | None  # the chain's axis that becomes the conv's channel axis (None: mixed)
     channel_index: torch.Tensor | None  # conv input channel -> chain channel (None: identity)
     permutes: int
     slices: int
@@ -107,31 +114,54 @@ class _Site:
     steps: tuple[_Step, ...]
 
 
+def _axis_before(node: Node, axis: int | None, shape: tuple[int, ...]) -> int | None:
+    """The axis of a permute's or view's input that becomes `axis` of its output whole."""
+    if axis is None:
+        return None
+    if node.target == PERMUTE:
+        return list(node.args[1])[axis] % len(shape)
+    source_shape = shape_of(node.args[0])
+    return None if source_shape is None else axis_before_view(source_shape, shape, axis)
+
+
+def _slice_index(node: Node, axis: int | None, index: torch.Tensor | None):
+    """The chain channels a channel-axis slice keeps (composed with `index`); False: unreadable."""
+    dim = int(node.args[1]) if len(node.args) > 1 else 0
+    source_shape = shape_of(node.args[0])
+    if source_shape is None:
+        return False
+    if axis is None or dim % len(source_shape) != axis:
+        return index
+    start, end, step = (list(node.args[2:5]) + [None, None, 1])[:3]
+    if not all(v is None or type(v) is int for v in (start, end, step)):
+        return False
+    kept = torch.arange(source_shape[axis])[slice(start, end, step)]
+    return kept if index is None else kept[index]
+
+
 def _layout(conv: Node) -> _Layout | None:
+    """Walk permutes, slices and views (a linear's reshape to a 1x1 conv) up from the conv."""
     node = conv.args[0]
     nodes: list[Node] = []
-    axis = 1
+    axis: int | None = 1
     index: torch.Tensor | None = None
     permutes = slices = 0
-    while isinstance(node, Node) and node.op == "call_function" and node.target in (PERMUTE, SLICE):
+    while (
+        isinstance(node, Node)
+        and node.op == "call_function"
+        and node.target in (PERMUTE, SLICE, VIEW)
+    ):
         shape = shape_of(node)
         if shape is None or not isinstance(node.args[0], Node):
             return None
-        if node.target == PERMUTE:
-            permutes += 1
-            axis = list(node.args[1])[axis] % len(shape)
-        else:
+        if node.target == SLICE:
             slices += 1
-            dim = int(node.args[1]) if len(node.args) > 1 else 0
-            source_shape = shape_of(node.args[0])
-            if source_shape is None:
+            index = _slice_index(node, axis, index)
+            if index is False:
                 return None
-            if dim % len(shape) == axis:
-                start, end, step = (list(node.args[2:5]) + [None, None, 1])[:3]
-                if not all(v is None or type(v) is int for v in (start, end, step)):
-                    return None
-                kept = torch.arange(source_shape[axis])[slice(start, end, step)]
-                index = kept if index is None else kept[index]
+        else:
+            permutes += node.target == PERMUTE
+            axis = _axis_before(node, axis, shape)
         nodes.append(node)
         node = node.args[0]
     if not isinstance(node, Node):
@@ -218,6 +248,12 @@ def alpha_is_in_the_table(site: _Site) -> str | None:
     return None
 
 
+def layout_keeps_the_channel_axis(site: _Site) -> str | None:
+    if site.layout.chain_axis is None:
+        return "unsupported layout: a view between the affine and the conv splits or merges its channel axis"
+    return None
+
+
 def layout_is_unambiguous(site: _Site) -> str | None:
     if site.layout.permutes > 1 or site.layout.slices > 1:
         return (
@@ -276,8 +312,8 @@ def conv_zero_point_matches(site: _Site) -> str | None:
 
 def table_shape_is_conv_shape(site: _Site) -> str | None:
     table_shape, output_shape = shape_of(site.table), shape_of(site.output)
-    if table_shape is None or table_shape != output_shape or len(table_shape) != 4:
-        return "unsupported layout: the TABLE output is broadcast by the affine or is not rank 4"
+    if table_shape is None or table_shape != output_shape:
+        return "unsupported layout: the TABLE output is broadcast by the affine"
     return None
 
 
@@ -286,7 +322,8 @@ def constants_broadcast_along_channels(site: _Site, channels: int) -> list[torch
     for step in site.steps:
         if step.op is None:
             continue
-        vector = channel_vector(step.constant, 4, site.layout.chain_axis, channels)
+        rank = len(shape_of(site.table))
+        vector = channel_vector(step.constant, rank, site.layout.chain_axis, channels)
         if vector is None:
             return "unsupported layout: a gamma/beta constant varies along a non-channel axis"
         vectors.append(vector)
@@ -495,8 +532,9 @@ def match_affine_into_conv(
             return Declined(reason)
     if reason := table_is_int8_constant(exported_program, site):
         return Declined(reason)
-    if reason := table_shape_is_conv_shape(site):
-        return Declined(reason)
+    for predicate in (table_shape_is_conv_shape, layout_keeps_the_channel_axis):
+        if reason := predicate(site):
+            return Declined(reason)
     channels = shape_of(site.table)[site.layout.chain_axis]
     vectors = constants_broadcast_along_channels(site, channels)
     if isinstance(vectors, str):

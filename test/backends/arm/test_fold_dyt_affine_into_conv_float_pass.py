@@ -148,6 +148,7 @@ def test_declines_when_gamma_spread_exceeds_the_bound():
     graph_module, before, decisions = _fold_graph(_with_gamma(gamma), torch.randn(1, 4, 6, 6))
     assert graph_module.code == before
     assert [d.applied for d in decisions] == [False]
+    assert "views keeping the channel axis whole" in decisions[0].detail
     assert "gamma spread" in decisions[0].detail and f"{MAX_GAMMA_SPREAD:g}" in decisions[0].detail
 
 
@@ -245,3 +246,68 @@ def test_declines_when_conv_channels_do_not_line_up():
         FoldDyTAffineIntoConvFloatPass()(graph_module)
     assert graph_module.code == before
     assert "do not line up" in decisions[0].detail
+
+
+class DyTViewLinear(torch.nn.Module):
+    """[B, T, C] tokens -> DyT -> view to [B*T, C] (or, `merge`, to [B, T*C]) -> Linear."""
+
+    def __init__(self, merge=False):
+        super().__init__()
+        self.dyt = DyT(4, nhwc=True)
+        randomize_affine(self.dyt, torch.Generator().manual_seed(4))
+        self.merge = merge
+        self.fc = torch.nn.Linear(20 if merge else 4, 6)
+
+    def forward(self, x):
+        y = self.dyt(x)
+        return self.fc(y.reshape(1, 20) if self.merge else y.reshape(5, 4))
+
+
+def test_folds_into_a_following_linear_through_a_view_exactly():
+    torch.manual_seed(0)
+    module = DyTViewLinear().eval()
+    x = torch.randn(1, 5, 4, generator=torch.Generator().manual_seed(6))
+    graph_module, _, decisions = _fold_graph(module, x)
+    assert [d.applied for d in decisions] == [True]
+    assert _count(graph_module, "aten.mul") == 1 and _count(graph_module, "aten.add") == 0
+    torch.testing.assert_close(graph_module(x), module(x), atol=1e-5, rtol=1e-5)
+
+
+def test_declines_when_a_view_merges_the_channel_axis():
+    torch.manual_seed(0)
+    module = DyTViewLinear(merge=True).eval()
+    x = torch.randn(1, 5, 4)
+    graph_module, before, decisions = _fold_graph(module, x)
+    assert graph_module.code == before
+    assert [d.applied for d in decisions] == [False]
+    assert "views keeping the channel axis whole" in decisions[0].detail
+
+
+def _without_fake_values(graph_module, placeholders=False):
+    for node in graph_module.graph.nodes:
+        if node.op == "call_function" or (placeholders and node.op == "placeholder"):
+            node.meta.pop("val", None)
+    return graph_module
+
+
+def test_runs_standalone_making_missing_fake_values():
+    module = _random_dyt_conv(True, **CONVS["1x1"])
+    x = torch.randn(1, 4, 6, 6, generator=torch.Generator().manual_seed(5))
+    graph_module = _without_fake_values(torch.export.export(module, (x,)).module())
+    with collect_decisions() as decisions:
+        assert FoldDyTAffineIntoConvFloatPass()(graph_module).modified
+    assert [d.applied for d in decisions if d.fold == FOLD] == [True]
+    torch.testing.assert_close(graph_module(x), module(x), atol=1e-5, rtol=1e-5)
+
+
+def test_declines_when_no_fake_values_can_be_made():
+    module = _random_dyt_conv(True, **CONVS["1x1"])
+    x = torch.randn(1, 4, 6, 6)
+    graph_module = torch.export.export(module, (x,)).module()
+    graph_module = _without_fake_values(graph_module, placeholders=True)
+    before = graph_module.code
+    with collect_decisions() as decisions:
+        assert not FoldDyTAffineIntoConvFloatPass()(graph_module).modified
+    assert graph_module.code == before
+    assert [(d.applied, d.fold) for d in decisions] == [(False, FOLD)]
+    assert "carry no static meta['val']" in decisions[0].detail

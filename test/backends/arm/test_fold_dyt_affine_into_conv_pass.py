@@ -424,4 +424,58 @@ def test_declines_when_no_fake_values_can_be_made():
         result = FoldDyTAffineIntoConvPass(program).call(program.graph_module)
     assert not result.modified and program.graph_module.code == before
     assert [(d.fold, d.applied) for d in decisions] == [(FOLD, False)]
-    assert "placeholders carry no meta['val']" in decisions[0].detail
+    assert "placeholders carry no static meta['val']" in decisions[0].detail
+
+
+# --- a following linear: upstream lowers it to a 1x1 conv between two view_copy
+
+
+class DyTLinear(torch.nn.Module):
+    """Tokens [B, T, C] -> DyT over C -> Linear (a ViT block's norm -> qkv/fc1), or
+    with `flatten` the tokens merged into the features first (no channel axis left)."""
+
+    def __init__(self, gamma, beta, alpha=0.5, flatten=False):
+        super().__init__()
+        self.dyt = DyT(4, nhwc=True, alpha=alpha)
+        with torch.no_grad():
+            self.dyt.gamma.copy_(torch.tensor(gamma))
+            self.dyt.beta.copy_(torch.tensor(beta))
+        self.flatten = flatten
+        self.fc = torch.nn.Linear(20 if flatten else 4, 6)
+
+    def forward(self, x):
+        y = self.dyt(x)
+        return self.fc(y.reshape(1, 20) if self.flatten else y)
+
+
+def _token_inputs(seed=5, count=3):
+    generator = torch.Generator().manual_seed(seed)
+    return [(2 * torch.randn(1, 5, 4, generator=generator),) for _ in range(count)]
+
+
+def test_gamma_beta_fold_into_a_following_linear_through_its_views_bit_identically():
+    torch.manual_seed(0)
+    sites = [
+        DyTLinear(**EXACT, alpha=0.5),  # exactly affine: weight and bias change
+        DyTLinear([1.0] * 4, [0.0] * 4, alpha=0.6),  # identity: the chain goes
+        DyTLinear([0.7, 1.3, -0.6, 1.1], [0.2, -0.1, 0.3, 0.0], alpha=0.7),  # not affine
+    ]
+    module = Sites(sites)
+    user_state = copy.deepcopy(module.state_dict())
+    before, after, affine = _lower_both(module, _token_inputs())
+    assert all(torch.equal(v, module.state_dict()[k]) for k, v in user_state.items())
+    exact, identity, random = affine
+    assert exact.applied and "slopes [0, 1], 1 channels with an offset" in exact.detail
+    assert (
+        identity.applied and identity.detail == "removed gamma/beta: their codes equal the TABLE's"
+    )
+    assert not random.applied and "not exactly affine" in random.detail
+    # alphas: -3 MUL; exact and identity: -2 MUL -2 ADD
+    assert (before["MUL"] - after["MUL"], before["ADD"] - after["ADD"]) == (5, 2)
+
+
+def test_declines_when_a_view_merges_the_channel_axis():
+    torch.manual_seed(0)
+    _, _, affine = _lower_both(DyTLinear(**EXACT, flatten=True), _token_inputs())
+    assert [d.applied for d in affine] == [False]
+    assert "splits or merges its channel axis" in affine[0].detail
