@@ -53,7 +53,10 @@ def accept_dtype_convert(
     if not bf16_allowed(config, node):
         return Declined("a bf16 convert needs XnnpackPartitioner(enable_bf16=True)")
     if not reads_user_input(node, program):
-        return Declined("converts a constant: left to constant folding, never delegated")
+        return Declined(
+            "converts a constant that no fold reached (the weight fold declined it, or "
+            "to_edge lifted it as a scalar after the folds ran): never delegated"
+        )
     if not config.check_common_constraints(node, program):
         return Declined("fails XNNPACK's common constraints (dtype, empty or unbacked shape)")
     return None
