@@ -89,7 +89,8 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         return self._shape_ops_as_views(exported_program)
 
     def _shape_ops_as_views(self, exported_program: ExportedProgram) -> ExportedProgram:
-        if "view_copy.default" not in self.target_partitioner_configs:
+        # per-op mode draws one delegate per op: a squeeze or unsqueeze would join none
+        if self.per_op_mode or "view_copy.default" not in self.target_partitioner_configs:
             return exported_program
         bf16 = bf16_applies(exported_program, self._user_enable_bf16) and bf16_setting(
             "view_copy.default", self._user_enable_bf16

@@ -327,3 +327,13 @@ def test_records_when_xnnpack_view_config_declines():
     assert [(d.applied, d.detail) for d in decisions] == [
         (False, "unsqueeze.default(0,): XNNPACK's view_copy config declined it")
     ]
+
+
+def test_per_op_mode_leaves_squeezes_and_unsqueezes_as_upstream_has_them():
+    torch.manual_seed(0)
+    module, inputs = LinearUnsqueezeMulSqueeze().eval(), (torch.randn(4, 32),)
+    program, expected = _lower(module, inputs, XnnpackPartitioner(per_op_mode=True))
+    outside = program.ops_outside()
+    assert outside["aten.unsqueeze_copy.default"] == 1 and outside["aten.squeeze_copy.dims"] == 1
+    assert program.decisions == []
+    assert_close(program.run(*inputs), expected, atol=1e-5)
