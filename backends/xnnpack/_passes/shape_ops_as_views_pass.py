@@ -19,7 +19,9 @@ Layout: inside a delegate, XNNPACK's ChannelsLastTaggedReshapePass gives every
 `view_copy` NCHW inputs (transposing an NHWC producer back first) and tags its
 output NCHW, as it does for squeeze and unsqueeze, so the static reshape always
 sees the logical, contiguous order: the view is exact whether its neighbours run
-channels-last (a convolution) or contiguous.
+channels-last (a convolution) or contiguous. (That pass pins no layout for
+`squeeze_copy.dims`, what `squeeze(d)` lowers to: a visitor for it would reshape
+NHWC data. Going through `view_copy` avoids that.)
 
 Runs on the ATen program, before decomposition. A rewritten node is marked
 (`meta["custom"][SHAPE_OP_MARK]`, which survives decomposition) so the
