@@ -18,50 +18,17 @@ constant map at `to_executorch()`.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable, Mapping
-
 from executorch.exir import EdgeProgramManager
 from executorch.exir import to_edge_transform_and_lower as _upstream_to_edge_transform_and_lower
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
 
 from etfold.exir.emit.external_constants import check_external_constant_names
 from etfold.exir.program.buffer_marks import mark_buffer_fold_blockers
+from etfold.exir.program.method_marks import (
+    MarkingStep,
+    mark_constants_shared_across_methods,
+)
 from etfold.exir.program.working_copy import copy_for_rewrite
-
-SHARED_ACROSS_METHODS = "shared_across_methods"
-
-MarkingStep = Callable[[Mapping[str, ExportedProgram]], None]
-
-
-def _constant_placeholders(program: ExportedProgram):
-    kinds = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
-    specs = {s.arg.name: s for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
-    for node in program.graph.find_nodes(op="placeholder"):
-        spec = specs.get(node.name)
-        if spec is not None and spec.kind in kinds and spec.target is not None:
-            yield node, spec.target
-
-
-def mark_constants_shared_across_methods(programs: Mapping[str, ExportedProgram]) -> None:
-    """`meta["shared_across_methods"] = True` on each constant that several methods read.
-
-    Constants are matched by fully qualified name; a placeholder with no users is
-    not a read. Marks left by an earlier call are recomputed, not accumulated.
-    """
-    readers: dict[str, set[str]] = defaultdict(set)
-    for method, program in programs.items():
-        for node, fqn in _constant_placeholders(program):
-            if node.users:
-                readers[fqn].add(method)
-    for program in programs.values():
-        for node, fqn in _constant_placeholders(program):
-            if len(readers[fqn]) > 1:
-                node.meta[SHARED_ACROSS_METHODS] = True
-            else:
-                node.meta.pop(SHARED_ACROSS_METHODS, None)
-
 
 # Applied in order to the method -> ATen program dict before upstream runs.
 MARKING_STEPS: tuple[MarkingStep, ...] = (

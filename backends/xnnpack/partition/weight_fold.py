@@ -47,7 +47,7 @@ from etfold.exir.passes.constant_prop_pass import (
 from etfold.exir.passes.graph_walk import constant_sources, input_kinds, insert_to_copy
 from etfold.exir.passes.inline_autocast_regions_pass import is_training_program
 from etfold.exir.program.buffer_marks import BUFFER_FOLD_BLOCKERS, state_writes
-from etfold.exir.program.lower import SHARED_ACROSS_METHODS
+from etfold.exir.program.method_marks import SHARED_ACROSS_METHODS
 from etfold.exir.program.working_copy import copy_for_rewrite
 
 FOLD = "xnnpack.fold_gemm_weight"

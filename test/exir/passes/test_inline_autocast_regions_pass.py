@@ -29,7 +29,7 @@ from etfold.exir.passes.inline_autocast_regions_pass import (
     inline_autocast_regions,
     match_inlinable_regions,
 )
-from etfold.exir.program.lower import SHARED_ACROSS_METHODS
+from etfold.exir.program.method_marks import SHARED_ACROSS_METHODS
 from etfold.harness.xnnpack_runner import assert_close, lower_module_xnnpack
 
 aten = torch.ops.aten

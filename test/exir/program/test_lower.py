@@ -10,7 +10,8 @@ from executorch.exir import to_edge_transform_and_lower as upstream_to_edge_tran
 
 from etfold.exir import to_edge_transform_and_lower
 from etfold.exir.program import lower
-from etfold.exir.program.lower import SHARED_ACROSS_METHODS, CheckedEdgeProgramManager
+from etfold.exir.program.lower import CheckedEdgeProgramManager
+from etfold.exir.program.method_marks import SHARED_ACROSS_METHODS
 from etfold.harness.xnnpack_runner import (
     assert_close,
     eager_outputs,

@@ -1,0 +1,114 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""The layers of CONTRIBUTING.md ("The shape of the code"): a module imports only
+from its own layer or the layers below it, lazy imports inside functions included."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("backends", "exir", "etfold")
+
+# (layer, module prefixes), lowest first; the longest matching prefix decides.
+LAYERS = (
+    (
+        "toolkit",
+        (
+            "etfold.decisions",
+            "etfold.exir.passes.graph_walk",
+            "etfold.exir.program.working_copy",
+            "etfold.backends.arm._passes.graph_utils",
+            "etfold.backends.arm._passes.tosa_integer",
+        ),
+    ),
+    (
+        "exir passes",
+        (
+            "etfold.exir.passes",
+            "etfold.exir.emit",
+            "etfold.exir.program.buffer_marks",
+            "etfold.exir.program.method_marks",
+        ),
+    ),
+    (
+        "backend passes",
+        (
+            "etfold.backends.arm._passes",
+            "etfold.backends.xnnpack._passes",
+            "etfold.backends.xnnpack.partition",
+            "etfold.backends.xnnpack.operators",
+        ),
+    ),
+    (
+        "entry points",
+        (
+            "etfold.exir",
+            "etfold.backends",
+            "etfold.backends.xnnpack.partition.xnnpack_partitioner",
+            "etfold.backends.xnnpack.install",
+            "etfold.backends.arm.registration",
+        ),
+    ),
+    ("cli and harness", ("etfold",)),
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts if parts[0] == "etfold" else ["etfold", *parts])
+
+
+def layer_of(module: str) -> int | None:
+    best = None
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            matches = module == prefix or module.startswith(prefix + ".")
+            if matches and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), rank)
+    return None if best is None else best[1]
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.rsplit(".", node.level)[0]
+                found.add(f"{base}.{node.module}" if node.module else base)
+            elif node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.startswith("etfold.")}
+
+
+def _sources():
+    for package in PACKAGES:
+        yield from sorted((ROOT / package).rglob("*.py"))
+
+
+def test_every_module_imports_only_its_layer_and_below():
+    upward = []
+    for path in _sources():
+        module = _module_name(path)
+        own = layer_of(module)
+        for imported in _imports(path, module):
+            theirs = layer_of(imported)
+            if own is not None and theirs is not None and theirs > own:
+                upward.append(
+                    f"{module} ({LAYERS[own][0]}) imports {imported} ({LAYERS[theirs][0]})"
+                )
+    assert not upward, "\n".join(upward)
+
+
+def test_every_module_has_a_layer():
+    assert all(layer_of(_module_name(path)) is not None for path in _sources())
