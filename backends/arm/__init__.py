@@ -15,8 +15,8 @@ from etfold.backends.arm.registration import (
     ARM_PASS_INSERTIONS,
     ArmPassInsertion,
     ArmRegistrationError,
+    are_arm_folds_registered,
     arm_folds_registered,
-    arm_folds_registered_now,
     register_arm_folds,
     unregister_arm_folds,
 )
@@ -30,7 +30,7 @@ __all__ = [
     "FoldDyTAlphaIntoLUTPass",
     "FoldScalarMulIntoConvPass",
     "arm_folds_registered",
-    "arm_folds_registered_now",
+    "are_arm_folds_registered",
     "is_carried_quant_state",
     "mark_carried_quant_state",
     "mark_carried_state_outputs",

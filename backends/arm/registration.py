@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -155,6 +156,7 @@ class _Installed:
 
 
 _installed: _Installed | None = None
+_lock = threading.RLock()  # registering and unregistering from several threads
 
 
 def _upstream_pass_class(name: str) -> type:
@@ -377,13 +379,39 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
     )
 
 
-def register_arm_folds() -> None:
-    """Install etfold's Arm passes into both pipelines; calling it again changes nothing."""
-    _install(ARM_PASS_INSERTIONS)
+class ArmFoldsRegistration:
+    """What `register_arm_folds()` returns: used in a `with`, it leaves registration
+    as it found it when the block ends (the plain call stays registered)."""
+
+    def __init__(self, was_registered: bool):
+        self._was_registered = was_registered
+
+    def __enter__(self) -> ArmFoldsRegistration:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._was_registered:
+            unregister_arm_folds()
+
+
+def register_arm_folds() -> ArmFoldsRegistration:
+    """Install etfold's Arm passes into both pipelines; calling it again changes nothing.
+
+    `with register_arm_folds(): ...` scopes the registration to the block.
+    """
+    with _lock:
+        was_registered = _installed is not None
+        _install(ARM_PASS_INSERTIONS)
+    return ArmFoldsRegistration(was_registered)
 
 
 def unregister_arm_folds() -> None:
     """Restore upstream exactly: the original add_pass, and the registry without etfold's passes."""
+    with _lock:
+        _uninstall()
+
+
+def _uninstall() -> None:
     global _installed
     if _installed is None:
         return
@@ -408,20 +436,13 @@ def unregister_arm_folds() -> None:
     _installed = None
 
 
-def arm_folds_registered_now() -> bool:
+def are_arm_folds_registered() -> bool:
     return _installed is not None and _installed.insertions == ARM_PASS_INSERTIONS
 
 
-@contextlib.contextmanager
-def arm_folds_registered() -> Iterator[None]:
-    """Register for the block; leave registration as it was afterwards."""
-    was_registered = _installed is not None
-    register_arm_folds()
-    try:
-        yield
-    finally:
-        if not was_registered:
-            unregister_arm_folds()
+def arm_folds_registered() -> ArmFoldsRegistration:
+    """Register for a `with` block; leave registration as it was afterwards."""
+    return register_arm_folds()
 
 
 @contextlib.contextmanager

@@ -26,8 +26,8 @@ from etfold.backends.arm import (
     ArmPassInsertion,
     ArmRegistrationError,
     FoldScalarMulIntoConvPass,
+    are_arm_folds_registered,
     arm_folds_registered,
-    arm_folds_registered_now,
     register_arm_folds,
     registration,
     unregister_arm_folds,
@@ -149,23 +149,33 @@ def test_register_twice_changes_nothing_and_unregister_restores_upstream():
     assert _snapshot() == once
     assert annotation_pipeline_passes(INT) == once_passes
     assert once != untouched
-    assert arm_folds_registered_now()
+    assert are_arm_folds_registered()
     unregister_arm_folds()
     unregister_arm_folds()
     assert _snapshot() == untouched
-    assert not arm_folds_registered_now()
+    assert not are_arm_folds_registered()
 
 
 def test_context_manager_leaves_registration_as_it_found_it():
     with arm_folds_registered():
         with arm_folds_registered():
             pass
-        assert arm_folds_registered_now()
-    assert not arm_folds_registered_now()
+        assert are_arm_folds_registered()
+    assert not are_arm_folds_registered()
     register_arm_folds()
     with arm_folds_registered():
         pass
-    assert arm_folds_registered_now()
+    assert are_arm_folds_registered()
+
+
+def test_register_used_as_a_context_manager_restores_upstream_exactly():
+    untouched = _snapshot()
+    with register_arm_folds():
+        assert are_arm_folds_registered() and _snapshot() != untouched
+    assert _snapshot() == untouched and not are_arm_folds_registered()
+    with pytest.raises(RuntimeError, match="planted"), register_arm_folds():
+        raise RuntimeError("planted")
+    assert _snapshot() == untouched
 
 
 def test_every_backend_entry_is_in_the_upstream_registry_once():
@@ -205,4 +215,4 @@ def test_fails_loudly_and_leaves_upstream_untouched_when_upstream_moved(bad, mon
     with pytest.raises(ArmRegistrationError):
         register_arm_folds()
     assert _snapshot() == untouched
-    assert not arm_folds_registered_now()
+    assert not are_arm_folds_registered()
