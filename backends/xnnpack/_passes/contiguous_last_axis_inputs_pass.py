@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch.export import ExportedProgram
 
-from etfold.decisions import Declined, record_applied, record_declined
+from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import insert_to_copy, is_channels_last
-from etfold.exir.program.working_copy import copy_for_rewrite
+from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 
 FOLD = "xnnpack.contiguous_last_axis_input"
 
@@ -108,23 +108,8 @@ def rewrite_channels_last_normalization(match: ChannelsLastNormalization) -> Non
     )
 
 
-def _matches(program: ExportedProgram, record: bool) -> list[ChannelsLastNormalization]:
-    matches = []
-    for node in program.graph.nodes:
-        match = match_channels_last_normalization(node)
-        if isinstance(match, Declined) and record:
-            record_declined(FOLD, node.name, match.reason)
-        elif isinstance(match, ChannelsLastNormalization):
-            matches.append(match)
-    return matches
-
-
 def read_last_axis_normalizations_contiguous(program: ExportedProgram) -> ExportedProgram:
     """The same program back when nothing matches; otherwise a rewritten copy."""
-    if not _matches(program, record=True):
-        return program
-    program = copy_for_rewrite(program)
-    for match in _matches(program, record=False):
-        rewrite_channels_last_normalization(match)
-    program.graph_module.recompile()
-    return program
+    return rewrite_matches_on_a_copy(
+        program, match_channels_last_normalization, rewrite_channels_last_normalization, FOLD
+    )

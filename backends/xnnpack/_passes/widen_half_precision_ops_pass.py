@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch.export import ExportedProgram
 
-from etfold.decisions import Declined, record_applied, record_declined
+from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import insert_to_copy
-from etfold.exir.program.working_copy import copy_for_rewrite
+from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 
 FOLD = "xnnpack.widen_half_precision_ops"
 
@@ -141,25 +141,9 @@ def rewrite_half_precision_op(match: HalfPrecisionOp) -> None:
     )
 
 
-def _matches(program: ExportedProgram, record: bool) -> list[HalfPrecisionOp]:
-    matches = []
-    for node in program.graph.nodes:
-        match = match_half_precision_op(node)
-        if isinstance(match, Declined):
-            if record:
-                record_declined(FOLD, node.name, match.reason)
-        elif match is not None:
-            matches.append(match)
-    return matches
-
-
 def widen_half_precision_ops(program: ExportedProgram) -> ExportedProgram:
     """The program with every matched op widened: a rewritten copy when something
     matches (the program handed in may be the user's), else the program itself."""
-    if not _matches(program, record=True):
-        return program
-    program = copy_for_rewrite(program)
-    for match in _matches(program, record=False):
-        rewrite_half_precision_op(match)
-    program.graph_module.recompile()
-    return program
+    return rewrite_matches_on_a_copy(
+        program, match_half_precision_op, rewrite_half_precision_op, FOLD
+    )
