@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Fold time of etfold's constant_prop_pass vs upstream's, side by side in one process.
 
     .venv/bin/python bench/bench_constant_prop.py [--repeats N]

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Delegated fp32 <-> fp16/bf16 converts: stock ExecuTorch vs etfold, side by side in one process.
 
     .venv/bin/python bench/bench_dtype_converts.py [--runs N] [--models gemma3,llama] [--no-fold-weights]

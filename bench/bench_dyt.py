@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """DyT folds on TOSA INT: fit time, and operator counts stock vs etfold, in one process.
 
     .venv/bin/python bench/bench_dyt.py [--repeats N]

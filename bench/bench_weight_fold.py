@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Parameter-only GEMM weights on XNNPACK: stock vs etfold vs hand-folded, side by side in one process.
 
     .venv/bin/python bench/bench_weight_fold.py [--runs N] [--models pos_conv,spectral,conv2d,hifigan]

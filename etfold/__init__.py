@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """etfold: guarded, registered folds for ExecuTorch's XNNPACK and Arm backends.
 
 Importing `etfold` is cheap (no torch): the folds live in `etfold.backends` and

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Command line: `etfold report`.
 
 Imports stay lazy: `etfold --help` and `etfold report --list` never import torch.

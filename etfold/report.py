@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """`etfold report`: lower each model with stock ExecuTorch and with etfold, run both, compare.
 
 Each model is built afresh for each lowering (its build is seeded), so neither

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """The upstream shapes etfold plugs into. An ExecuTorch upgrade that moves any of
 them fails here, in one place, instead of deep inside a fold."""
 

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Write BUCK: one target per module (as ExecuTorch declares its passes), deps from imports.
 
 Run `make buck` after adding or removing a Python file; it also reports import cycles,

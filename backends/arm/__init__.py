@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """etfold's Arm folds. Nothing is registered until `register_arm_folds()` is called."""
 
 from etfold.backends.arm._passes import (

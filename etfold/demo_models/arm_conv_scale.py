@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Conv × scale on TOSA INT: where the scalar-mul fold applies, and where it must decline.
 
 `ConvScaleBlock` scales each conv's output by a constant (per-channel, then a

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """DyT (Dynamic Tanh) blocks on TOSA INT: the alpha, gamma/beta folds' home models.
 
 DyT replaces a normalization layer with `gamma * tanh(alpha * x) + beta`

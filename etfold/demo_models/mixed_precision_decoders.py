@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Tiny mixed-precision decoders: Gemma3 and Llama in bf16/fp16, random weights.
 
 Both keep parts of their math in fp32 (RMSNorm, rotary frequencies, softmax

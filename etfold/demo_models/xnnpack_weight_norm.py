@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """weight_norm models: stock XNNPACK declines their computed weights, etfold folds them.
 
 The builders take sizes so `bench/bench_weight_fold.py` can use the full sizes

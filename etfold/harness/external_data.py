@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Run programs whose constants live in external `.ptd` files.
 
 The runtime in the wheel takes one data map per program, so several `.ptd` files

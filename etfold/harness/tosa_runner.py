@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Quantize for TOSA, lower with the Arm backend, and run on `tosa_reference_model`.
 
 The top-level edge graph is interpreted op by op; each TOSA delegate call is

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Lower to XNNPACK, serialize, and run on the runtime shipped in the executorch wheel."""
 
 from __future__ import annotations

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """The external constant map must not hold two different tensors under one name.
 
 ExecuTorch's emitter keys external constants (`.ptd` entries) by fully qualified

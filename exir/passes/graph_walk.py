@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Graph walks over lifted ExportedPrograms, shared by etfold's exir passes.
 
 Every walk here is iterative (explicit stacks), so graph depth is never bounded

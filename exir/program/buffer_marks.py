@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Which buffers a fold may read as constants, decided over every method at once.
 
 A pre-decomposition hook sees one method. A buffer that method only reads may

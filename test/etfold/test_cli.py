@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """`etfold report` as a user meets it: one stderr line and a documented exit code for
 every bad input, no traceback unless --debug, lazy imports, every decision on --explain."""
 

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """The built wheel, installed non-editable into a fresh venv with the constraints, runs
 `etfold report` from outside the checkout. Installed without extras (an XNNPACK-only
 user): the XNNPACK rows run, models needing `arm` or `report` are skipped by name.

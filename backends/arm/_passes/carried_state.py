@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Which values persist from one call to the next (carried state).
 
 A fold that moves arithmetic across a value the model carries to its next call

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Fold DyT's gamma/beta into the following conv in fp32, before calibration.
 
 Given (gamma, beta constant per channel c; L at most one permute; conv groups g,

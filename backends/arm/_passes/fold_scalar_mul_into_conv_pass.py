@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Fold a constant scale after a convolution or linear layer into its weight and bias.
 
     L(layer(x, W, b)) * s     (s: a number, a scalar tensor constant, or a constant

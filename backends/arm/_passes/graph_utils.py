@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Constant and write-back helpers shared by etfold's Arm passes.
 
 A pass sees constants in one of two forms: a placeholder of an ExportedProgram

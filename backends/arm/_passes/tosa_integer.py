@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """TOSA-1.0 integer arithmetic, evaluated exactly on the host.
 
 The one place etfold computes what a TOSA INT graph computes:

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Which copies are pure float dtype converts that XNNPACK can run.
 
     _to_dim_order_copy(x, dtype=d)      (dim order of x kept)

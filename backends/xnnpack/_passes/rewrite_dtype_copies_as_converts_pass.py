@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Inside an etfold-marked XNNPACK delegate, turn float dtype copies into converts.
 
     _to_dim_order_copy(x, dtype=d) | _to_copy(x, dtype=d)      (layout of x kept)

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """XNNConvert: serialize `prims.convert_element_type` (fp32 <-> fp16/bf16) as an XNNPACK convert.
 
 The node only exists inside delegates that etfold's partitioner marked (see

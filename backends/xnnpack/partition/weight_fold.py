@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Fold parameter-only GEMM weight subgraphs so XNNPACK sees static weights.
 
     gemm(x, f(p1, …, pn), g(q1, …))      p, q parameters / proven-safe buffers / lifted constants

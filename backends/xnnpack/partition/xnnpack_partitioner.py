@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """etfold's XnnpackPartitioner: upstream's, plus the folds that let XNNPACK take more.
 
 Drop-in: the same constructor arguments as upstream's, plus
@@ -73,7 +79,7 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         # upstream's kwargs carry enable_bf16; absent means "not set" (bf16 follows the program)
         self._user_enable_bf16 = kwargs.get("enable_bf16")
 
-    # ---- weight fold (issue 4): parameter-only GEMM weights become static before partitioning
+    # ---- weight fold: parameter-only GEMM weights become static before partitioning
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
         exported_program = super().transform_for_pre_decomposition(exported_program)
         if self.fold_weights or self.delegate_dtype_converts:
@@ -107,7 +113,7 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
 
     # ---- end weight fold
 
-    # ---- dtype converts (issue 5): fp32 <-> fp16/bf16 converts of activations join delegates
+    # ---- dtype converts: fp32 <-> fp16/bf16 converts of activations join delegates
     @staticmethod
     def _dtype_convert_configs(configs):
         return with_dtype_convert_configs(list(configs or ALL_PARTITIONER_CONFIGS))

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """The carried-state guard: no scale folds into a conv whose output persists to the next call.
 
 Recurrent cells are lowered for TOSA-1.0+INT and stepped 32 times on the

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """FoldDyTAffineIntoConvFloatPass: gamma/beta into the next conv before calibration.
 
 Exactness is checked in fp32 on the rewritten graph; the quantized effect on the

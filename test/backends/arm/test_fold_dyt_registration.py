@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Where register_arm_folds() puts the DyT passes, and that registering twice changes nothing."""
 
 import pytest

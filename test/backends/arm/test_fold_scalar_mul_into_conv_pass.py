@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """FoldScalarMulIntoConvPass: conv(x, W, b) * s -> conv(x, W * s, b * s).
 
 Lowered on TOSA-1.0+INT (folded in the annotation pipeline, before calibration)

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """etfold's TOSA integer arithmetic against the Arm backend's encoding and tosa_reference_model."""
 
 import numpy as np

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """The install step behind delegated converts: explicit, idempotent, reversible, loud,
 and invisible to stock lowering (byte-identical programs)."""
 

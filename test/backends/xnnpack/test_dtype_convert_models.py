@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Mixed-precision models with their converts delegated, run on the XNNPACK runtime."""
 
 from __future__ import annotations

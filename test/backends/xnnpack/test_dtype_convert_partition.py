@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Which copies etfold's XnnpackPartitioner delegates as converts, and why it declines the rest.
 
 One `test_declines_when_…` per precondition: the copy stays outside the

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Delegated float converts against torch, bit by bit, on the XNNPACK runtime.
 
 Every fp16 and bf16 bit pattern is widened; fp32 sources are special values,

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """XNNPACK weight fold, single method: what folds, what stays an op, and why.
 
 Every lowering runs on the XNNPACK runtime from the executorch wheel and is

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """XNNPACK weight fold across methods: buffers, shared constants, the marking step.
 
 A buffer seeds a fold only when `etfold.exir.to_edge_transform_and_lower` (which

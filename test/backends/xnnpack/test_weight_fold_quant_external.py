@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """XNNPACK weight fold beside quantized weights and external-file tags.
 
 Q/DQ chains on weights stay exactly as they came; folded weights keep their

@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """etfold's constant_prop_pass: what folds, what never does, how folds are named and placed.
 
 Every test checks the graph after the pass and the numbers: eager (`ep.module()` or

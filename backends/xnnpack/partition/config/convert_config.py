@@ -1,3 +1,9 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
 """Partitioner configs that accept fp32 <-> fp16/bf16 converts of activations.
 
 `_to_dim_order_copy` (default dim-order edge programs) keeps upstream's rule for
