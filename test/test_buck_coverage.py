@@ -55,3 +55,25 @@ def test_the_check_notices_an_uncovered_file(tmp_path):
         'runtime.python_library(name = "x", srcs = ["covered.py"])\n'
     )
     assert python_files(tmp_path, ("exir",)) - buck_sources(tmp_path) == {"exir/forgotten.py"}
+
+
+def test_buck_targets_fails_on_an_import_cycle_through_a_lazy_relative_import(tmp_path):
+    import subprocess
+    import sys
+
+    package = tmp_path / "etfold"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "first.py").write_text("from etfold import second\n")
+    (package / "second.py").write_text("def late():\n    from .first import late\n")
+    tool = Path(__file__).resolve().parents[1] / "tools" / "buck_targets.py"
+    result = subprocess.run(
+        [sys.executable, str(tool), str(tmp_path)], capture_output=True, text=True
+    )
+    assert result.returncode == 1
+    assert "CYCLE: :etfold_first -> :etfold_second -> :etfold_first" in result.stdout
+    (package / "second.py").write_text("def late():\n    return 1\n")
+    result = subprocess.run(
+        [sys.executable, str(tool), str(tmp_path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0 and "CYCLE" not in result.stdout
