@@ -20,7 +20,6 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -258,15 +257,6 @@ class TosaProgram:
 
     def ops_outside(self) -> Counter[str]:
         return ops_outside_delegates(self.exported_program)
-
-    def dump(self, directory: Path) -> list[Path]:
-        directory.mkdir(parents=True, exist_ok=True)
-        paths = []
-        for index, graph in enumerate(self.tosa_graphs):
-            path = directory / f"delegate_{index}.tosa"
-            path.write_bytes(graph)
-            paths.append(path)
-        return paths
 
 
 def run_carried(

@@ -125,7 +125,7 @@ def requantize_matches_tanh_input(site: _Site) -> str | None:
     return None
 
 
-def alpha_is_scalar_constant(site: _Site, alpha: Int32Constant | None) -> str | None:
+def alpha_is_scalar_constant(alpha: Int32Constant | None) -> str | None:
     if alpha is None or alpha.values.numel() != 1:
         return "no operand of the multiply is a scalar int8 constant (alpha)"
     return None
@@ -219,7 +219,7 @@ def match_alpha_into_table(
         return Declined("the multiply does not take two tensor operands")
     constants = [int32_constant_operand(exported_program, a) for a in operands]
     scalar = [i for i, c in enumerate(constants) if c is not None and c.values.numel() == 1]
-    if reason := alpha_is_scalar_constant(site, constants[scalar[0]] if len(scalar) == 1 else None):
+    if reason := alpha_is_scalar_constant(constants[scalar[0]] if len(scalar) == 1 else None):
         return Declined(reason)
     alpha = constants[scalar[0]]
     activation_index = 1 - scalar[0]
