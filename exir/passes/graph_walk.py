@@ -88,8 +88,9 @@ def is_plain_tensor(value) -> bool:
     return type(value) in (torch.Tensor, torch.nn.Parameter)
 
 
-def _written_arguments(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
-    """Nodes `node` may write in place, per its schema."""
+def written_arguments(node: torch.fx.Node) -> Iterator[torch.fx.Node]:
+    """Nodes `node` may write in place, per its schema: the one answer to "does this
+    op write that value" for every etfold walk."""
     schema = getattr(underlying_op(node.target), "_schema", None)
     if schema is None or not schema.is_mutable:
         return
@@ -142,7 +143,7 @@ def placeholders_written_in_place(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        for target in _written_arguments(node):
+        for target in written_arguments(node):
             seen = set()
             while target is not None and target not in seen:
                 seen.add(target)

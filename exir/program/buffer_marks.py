@@ -33,7 +33,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from etfold.exir.passes.graph_walk import op_qualified_name
+from etfold.exir.passes.graph_walk import op_qualified_name, written_arguments
 
 BUFFER_FOLD_BLOCKERS = "etfold_buffer_fold_blockers"
 
@@ -66,6 +66,7 @@ def _argument_roles(user: torch.fx.Node, value: torch.fx.Node) -> set[str]:
     if not isinstance(target, torch._ops.OpOverload):
         return {"unknown"}
     schema = target._schema
+    written = set(written_arguments(user))
     roles: set[str] = set()
     bound = list(zip(schema.arguments, user.args, strict=False))
     by_name = {a.name: a for a in schema.arguments}
@@ -78,7 +79,7 @@ def _argument_roles(user: torch.fx.Node, value: torch.fx.Node) -> set[str]:
         else:
             continue
         alias = argument.alias_info
-        if alias is not None and alias.is_write:
+        if value in written:
             roles.add("write")
         elif nested and schema.is_mutable:
             # element alias sets of a Tensor[] argument are not exposed; assume the worst

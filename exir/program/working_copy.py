@@ -16,11 +16,25 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from torch.export import ExportedProgram
+
+
+def _keep_names(original: torch.fx.Graph, copied: torch.fx.Graph) -> None:
+    """Copying a graph re-uniquifies node names (an input named `input`, a Python
+    builtin, comes back as `input_1`); the signature names the originals."""
+    renamed = False
+    for before, after in zip(original.nodes, copied.nodes, strict=True):
+        if after.name != before.name:
+            after.name = before.name
+            renamed = True
+    if renamed:
+        copied.owning_module.recompile()
 
 
 def copy_for_rewrite(program: ExportedProgram) -> ExportedProgram:
     graph_module = copy.deepcopy(program.graph_module)
+    _keep_names(program.graph, graph_module.graph)
     return ExportedProgram(
         root=graph_module,
         graph=graph_module.graph,

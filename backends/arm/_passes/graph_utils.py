@@ -23,6 +23,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule, Node
 
+from etfold.exir.passes.graph_walk import written_arguments
+
 _WRITE_BACK_OUTPUTS = (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)
 
 _aten = torch.ops.aten
@@ -141,11 +143,7 @@ def _mutating_write_destination(node: Node) -> Node | None:
     """For an in-place op writing into a graph input or attribute, the root being written."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
         return None
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.arguments:
-        return None
-    alias = schema.arguments[0].alias_info
-    if alias is None or not alias.is_write:
+    if node.args[0] not in written_arguments(node):
         return None
     root = node.args[0]
     # views of a buffer written in place still write the buffer
