@@ -137,17 +137,13 @@ def raising_parametrization(conv: nn.Module) -> nn.Module:
     return conv
 
 
-# Reported, awaiting the weight fold's fix: it folds linalg_inv_ex of the singular matrix and
-# leaves the `_linalg_check_errors` effect behind, which to_executorch cannot emit. Any other
-# outcome is judged as usual, so the test fails again if the failure changes shape.
-DANGLING_CHECK = "AttributeError: 'WithEffects' object has no attribute '_schema'"
-
-
 def test_xnnpack_parametrization_that_raises():
+    """The weight fold declines the singular inverse (its evaluation raises), so the
+    program fails at to_edge on the non-Core-ATen op exactly as stock does."""
     module = raising_parametrization(nn.Conv2d(3, 4, 3, padding=1))
     outcome = differential_xnnpack(_built(module, torch.randn(1, 3, 5, 5)))
-    if outcome.verdict == "crash_both" and outcome.etfold_failure == DANGLING_CHECK:
-        pytest.skip(f"pending fix: etfold fails deep in to_executorch ({DANGLING_CHECK})")
+    assert outcome.verdict == "crash_both" and "Core ATen" in outcome.etfold_failure
+    assert any("evaluation raised" in d for d in outcome.decisions)
     _acceptable(outcome)
 
 
