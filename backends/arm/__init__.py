@@ -17,6 +17,9 @@ from etfold.backends.arm._passes.fold_dyt_affine_into_conv_float_pass import (
 )
 from etfold.backends.arm._passes.fold_dyt_affine_into_conv_pass import FoldDyTAffineIntoConvPass
 from etfold.backends.arm._passes.fold_dyt_alpha_into_lut_pass import FoldDyTAlphaIntoLUTPass
+from etfold.backends.arm._passes.fold_scalar_mul_into_conv_pass import (
+    power_of_two_scales_fold_into_carried_state,
+)
 from etfold.backends.arm.registration import (
     ARM_PASS_INSERTIONS,
     ArmPassInsertion,
@@ -40,6 +43,7 @@ __all__ = [
     "is_carried_quant_state",
     "mark_carried_quant_state",
     "mark_carried_state_outputs",
+    "power_of_two_scales_fold_into_carried_state",
     "register_arm_folds",
     "unregister_arm_folds",
 ]

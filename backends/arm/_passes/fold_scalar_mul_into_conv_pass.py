@@ -30,7 +30,11 @@ existing tensor is written (the annotation pipeline's tensors are the user's).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
 import numbers
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -60,7 +64,42 @@ DISALLOWED = "node is marked not to be transformed before annotation"
 CARRIED_STATE = (
     "conv output reaches carried state (a written-back buffer or input, or a marked output)"
 )
+CARRIED_STATE_NOT_POWER_OF_TWO = (
+    "conv output reaches carried state and the scale is not a positive scalar power of two"
+    " (the only scale that folds there, and only inside power_of_two_scales_fold_into_carried_state())"
+)
 SEVERAL_USERS = "conv output has several users"
+
+_power_of_two_into_carried_state: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "etfold_power_of_two_into_carried_state", default=False
+)
+
+
+@contextlib.contextmanager
+def power_of_two_scales_fold_into_carried_state() -> Iterator[None]:
+    """Opt-in for the block: a positive scalar power-of-two scale folds even where its
+    multiply rounds carried state.
+
+    Drift-free by construction: W * 2^k and b * 2^k are exact, every observed range
+    scales by exactly 2^k, so the folded conv's RESCALE equals the unfolded conv's and
+    the multiply's requantization was the identity on codes: the rollout is the
+    unfolded one code for code (CONTRIBUTING.md, "Carried state").
+    """
+    token = _power_of_two_into_carried_state.set(True)
+    try:
+        yield
+    finally:
+        _power_of_two_into_carried_state.reset(token)
+
+
+def is_positive_power_of_two(scale: torch.Tensor) -> bool:
+    values = scale.detach().reshape(-1).unique()
+    if values.numel() != 1:
+        return False
+    value = float(values[0])
+    return value > 0 and math.isfinite(value) and math.frexp(value)[0] == 0.5
+
+
 NO_SHAPE = "conv or mul has no shape metadata"
 QUANTIZED = "conv is already quantized (fold runs before calibration for INT)"
 WEIGHT_NOT_CONSTANT = "conv weight is not a constant"
@@ -381,7 +420,8 @@ class FoldScalarMulIntoConvPass(ArmPass):
             return Declined(NOT_QUANTIZED_LAYER.format(op=_op_name(conv)))
         if not is_allowed(self, mul):
             return Declined(DISALLOWED)
-        if reaches_carried_state(conv, mul, region, chain):
+        carried = reaches_carried_state(conv, mul, region, chain)
+        if carried and not _power_of_two_into_carried_state.get():
             return Declined(CARRIED_STATE)
         if not has_single_user(conv, mul, chain):
             return Declined(SEVERAL_USERS)
@@ -407,6 +447,8 @@ class FoldScalarMulIntoConvPass(ArmPass):
             return Declined(SCALE_NOT_CONSTANT)
         if not is_finite(scale_tensor):
             return Declined(SCALE_NOT_FINITE)
+        if carried and not is_positive_power_of_two(scale_tensor):
+            return Declined(CARRIED_STATE_NOT_POWER_OF_TWO)
         transposed = signature.is_transposed(conv)
         groups = 1 if signature is _LINEAR else int(_arg(conv, signature.groups_index, "groups", 1))
         out_channels = _out_channels(weight_tensor, transposed, groups)

@@ -352,3 +352,85 @@ def test_gru_cell_folds_its_gate_convs_one_step_within_one_lsb_of_unfolded():
         assert float((folded - unfolded).abs().max()) <= lsb * 1.001
     for name, value in module.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+class StateTimesScale(torch.nn.Module):
+    """state <- conv(x + state) * scale: the multiply rounds the carried value itself."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.register_buffer("state", torch.zeros(1, 4, 6, 6))
+
+    def forward(self, x):
+        y = self.conv(x + self.state) * self.scale
+        self.state.copy_(y)
+        return y
+
+
+def _rolled(model, steps, context, folds=True):
+    """The lowered program's outputs over `steps` from its zero state, its output
+    scale and this fold's decisions."""
+    from etfold.backends.arm import arm_folds_registered
+    from etfold.backends.arm.registration import upstream_folds_retired
+    from etfold.decisions import collect_decisions
+    from etfold.harness.tosa_runner import INT, lower_module_tosa, output_scales, run_carried
+
+    registration = arm_folds_registered if folds else upstream_folds_retired
+    with context(), registration(), collect_decisions() as journal:
+        program, _ = lower_module_tosa(copy.deepcopy(model), steps[0], INT, calibration=steps[1:4])
+    outputs = [r.outputs[0] for r in run_carried(program, steps)]
+    return outputs, output_scales(program)[0], [d for d in journal if d.fold == fold.FOLD]
+
+
+def test_power_of_two_opt_in_folds_into_carried_state_without_drift():
+    """The state keeps its quantization; the unfolded multiply's own requantization
+    (by the int8 code of the scale) is the only rounding that goes, so the folded
+    rollout stays within one step of the unfolded one and no farther from eager."""
+    import contextlib
+
+    from etfold.backends.arm import power_of_two_scales_fold_into_carried_state
+
+    torch.manual_seed(0)
+    model = StateTimesScale(0.25).eval()
+    generator = torch.Generator().manual_seed(5)
+    steps = [(torch.randn(1, 4, 6, 6, generator=generator),) for _ in range(24)]
+    folded, lsb, decisions = _rolled(model, steps, power_of_two_scales_fold_into_carried_state)
+    unfolded, unfolded_lsb, _ = _rolled(model, steps, contextlib.nullcontext, folds=False)
+    assert [d.applied for d in decisions] == [True] and lsb == unfolded_lsb
+    eager, expected = copy.deepcopy(model), []
+    with torch.no_grad():
+        expected = [eager(*inputs) for inputs in steps]
+    apart = [float((a - b).abs().max()) / lsb for a, b in zip(folded, unfolded, strict=True)]
+    assert max(apart) <= 1.0 + 1e-3  # never more than one step apart, first call to last
+    error = [float((a - e).abs().mean()) for a, e in zip(folded, expected, strict=True)]
+    unfolded_error = [float((a - e).abs().mean()) for a, e in zip(unfolded, expected, strict=True)]
+    assert sum(error) <= sum(unfolded_error) * (1 + 1e-3)
+    _, _, default = _rolled(model, steps[:4], contextlib.nullcontext)
+    assert [d.detail for d in default] == [fold.CARRIED_STATE]
+
+
+@pytest.mark.parametrize("scale", [0.3, -0.25])
+def test_power_of_two_opt_in_declines_any_other_scale_at_carried_state(scale):
+    from etfold.backends.arm import power_of_two_scales_fold_into_carried_state
+    from etfold.backends.arm._passes import fold_scalar_mul_into_conv_pass as fold
+
+    torch.manual_seed(0)
+    steps = [(torch.randn(1, 4, 6, 6),) for _ in range(4)]
+    _, _, decisions = _rolled(
+        StateTimesScale(scale).eval(), steps, power_of_two_scales_fold_into_carried_state
+    )
+    assert [d.detail for d in decisions] == [fold.CARRIED_STATE_NOT_POWER_OF_TWO]
+
+
+@pytest.mark.parametrize(
+    "value,expected", [(0.25, True), (4.0, True), (1.0, True), (0.3, False), (-0.5, False)]
+)
+def test_positive_power_of_two(value, expected):
+    from etfold.backends.arm._passes.fold_scalar_mul_into_conv_pass import (
+        is_positive_power_of_two,
+    )
+
+    assert is_positive_power_of_two(torch.tensor(value)) is expected
+    assert not is_positive_power_of_two(torch.tensor([0.25, 0.5]))
