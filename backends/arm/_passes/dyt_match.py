@@ -15,6 +15,7 @@ touching the graph; anything unexpected answers None and the caller declines.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -128,38 +129,11 @@ def int32_constant_operand(
     if view_shape is not None:
         if not isinstance(view_shape, (list, tuple)) or not all(type(d) is int for d in view_shape):
             return None
-        if values.numel() != _product(view_shape):
+        if values.numel() != math.prod(view_shape):
             return None
         values = values.reshape(view_shape)
     nodes.append(node)
     return Int32Constant(values, source, tuple(nodes))
-
-
-def channel_vector(
-    values: torch.Tensor, rank: int, channel_axis: int, channels: int
-) -> torch.Tensor | None:
-    """`values` as a [channels] vector if it broadcasts over a rank-`rank` tensor along
-    `channel_axis` only (or is a scalar); None if it varies along any other axis."""
-    if values.dim() > rank:
-        return None
-    shape = (1,) * (rank - values.dim()) + tuple(values.shape)
-    for axis, size in enumerate(shape):
-        if size != 1 and axis != channel_axis:
-            return None
-    if shape[channel_axis] not in (1, channels):
-        return None
-    return values.reshape(-1).expand(channels) if values.numel() == 1 else values.reshape(channels)
-
-
-def users_are_only(node: Node, user: Node) -> bool:
-    return set(node.users) == {user}
-
-
-def _product(values) -> int:
-    result = 1
-    for value in values:
-        result *= value
-    return result
 
 
 def erase_unused(graph_module, exported_program: ExportedProgram, nodes) -> None:

@@ -45,6 +45,7 @@ from torch.fx import GraphModule, Node
 
 from etfold.backends.arm._passes.graph_utils import (
     axis_before_view,
+    channel_vector,
     constant_tensor,
     create_constant,
     delete_constant_if_unused,
@@ -245,15 +246,8 @@ def _vector(arg: object, channels: int, axis: int, rank: int) -> torch.Tensor | 
     if arg is None:
         return None
     value = torch.tensor(float(arg)) if isinstance(arg, (int, float)) else constant_tensor(arg)
-    if value is None or value.dim() > rank:
-        return None
-    shape = (1,) * (rank - value.dim()) + tuple(value.shape)
-    if any(size != 1 and a != axis for a, size in enumerate(shape)) or shape[axis] not in (
-        1,
-        channels,
-    ):
-        return None
-    return value.to(torch.float64).reshape(-1).expand(channels).clone()
+    vector = None if value is None else channel_vector(value, rank, axis, channels)
+    return None if vector is None else vector.to(torch.float64).clone()
 
 
 def constants_are_channel_vectors(

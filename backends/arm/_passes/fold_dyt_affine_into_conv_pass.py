@@ -53,7 +53,6 @@ from etfold.backends.arm._passes.dyt_match import (
     TABLE,
     VIEW,
     IntegerDyTFoldPass,
-    channel_vector,
     constant_of,
     erase_unused,
     int32_constant_operand,
@@ -63,6 +62,7 @@ from etfold.backends.arm._passes.dyt_match import (
 )
 from etfold.backends.arm._passes.graph_utils import (
     axis_before_view,
+    channel_vector,
     create_constant,
     fresh_constant_name,
     tensor_digest,

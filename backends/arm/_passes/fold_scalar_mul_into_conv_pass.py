@@ -48,6 +48,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from etfold.backends.arm._passes.carried_state import carried_region
 from etfold.backends.arm._passes.graph_utils import (
     axis_through_view,
+    channel_vector,
     constant_tensor,
     create_constant,
     delete_constant_if_unused,
@@ -329,13 +330,8 @@ def keeps_weight_precision(
 def varies_only_along_channels(
     scale: torch.Tensor, output_shape: torch.Size, out_channels: int, channel_axis: int = 1
 ) -> bool:
-    if scale.dim() > len(output_shape) or len(output_shape) < 2:
-        return False
-    padded = (1,) * (len(output_shape) - scale.dim()) + tuple(scale.shape)
-    return all(
-        size == 1 or (dim == channel_axis and size == out_channels)
-        for dim, size in enumerate(padded)
-    )
+    rank = len(output_shape)
+    return rank >= 2 and channel_vector(scale, rank, channel_axis, out_channels) is not None
 
 
 def keeps_conv_output(conv: Node, mul: Node) -> bool:

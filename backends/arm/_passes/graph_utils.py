@@ -403,3 +403,19 @@ def ensure_fake_values(graph_module: GraphModule) -> str | None:
             f"could not propagate fake values through the graph ({type(error).__name__}: {error})"
         )
     return None
+
+
+def channel_vector(
+    values: torch.Tensor, rank: int, channel_axis: int, channels: int
+) -> torch.Tensor | None:
+    """`values` as a [channels] vector if it broadcasts over a rank-`rank` tensor along
+    `channel_axis` only (or is a scalar); None if it varies along any other axis."""
+    if values.dim() > rank:
+        return None
+    shape = (1,) * (rank - values.dim()) + tuple(values.shape)
+    for axis, size in enumerate(shape):
+        if size != 1 and axis != channel_axis:
+            return None
+    if shape[channel_axis] not in (1, channels):
+        return None
+    return values.reshape(-1).expand(channels) if values.numel() == 1 else values.reshape(channels)
