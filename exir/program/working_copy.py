@@ -33,16 +33,20 @@ def _keep_names(original: torch.fx.Graph, copied: torch.fx.Graph) -> None:
 
 
 def copy_for_rewrite(program: ExportedProgram) -> ExportedProgram:
+    """A copy whose graph, node metadata, signature and module call graph are its own
+    and whose tensors are shared.
+
+    Built without ExportedProgram's constructor, which re-verifies (a program that
+    lowers with stock ExecuTorch, missing `meta["val"]` say, must lower through
+    etfold too) and rewrites the graph (getitem elimination).
+    """
     graph_module = copy.deepcopy(program.graph_module)
     _keep_names(program.graph, graph_module.graph)
-    return ExportedProgram(
-        root=graph_module,
-        graph=graph_module.graph,
-        graph_signature=copy.deepcopy(program.graph_signature),
-        state_dict=dict(program.state_dict),
-        range_constraints=copy.copy(program.range_constraints),
-        module_call_graph=copy.deepcopy(program.module_call_graph),
-        example_inputs=program.example_inputs,
-        constants=dict(program.constants),
-        verifiers=[program.verifier],
-    )
+    copied = copy.copy(program)
+    copied._graph_module = graph_module
+    copied._graph_signature = copy.deepcopy(program.graph_signature)
+    copied._state_dict = dict(program.state_dict)
+    copied._constants = dict(program.constants)
+    copied._range_constraints = copy.copy(program.range_constraints)
+    copied._module_call_graph = copy.deepcopy(program.module_call_graph)
+    return copied

@@ -44,7 +44,7 @@ from executorch.exir.pass_base import ExportPass, PassResult
 from torch.fx import GraphModule, Node
 
 from etfold.backends.arm._passes.graph_utils import (
-    axis_before_view,
+    axis_before_layout_op,
     channel_vector,
     constant_tensor,
     create_constant,
@@ -157,18 +157,6 @@ def _rank(node: object) -> int | None:
     return value.dim() if isinstance(value, torch.Tensor) else None
 
 
-def _axis_before(node: Node, axis: int | None) -> int | None:
-    """The axis of a layout node's input that becomes `axis` of its output (None: unknown)."""
-    if axis is None:
-        return None
-    if node.target in _PERMUTES:
-        return list(node.args[1])[axis] % len(node.args[1])
-    source, result = node.args[0].meta.get("val"), node.meta.get("val")
-    if node.target in _VIEWS and source is not None and result is not None:
-        return axis_before_view(tuple(source.shape), tuple(result.shape), axis)
-    return None
-
-
 def _site(node: Node) -> _Site | None:
     conv = _conv(node)
     if conv is None:
@@ -184,7 +172,7 @@ def _site(node: Node) -> _Site | None:
         and current.op == "call_function"
         and (current.target in _PERMUTES or current.target in _LAYOUT_OTHER)
     ):
-        axis = _axis_before(current, axis)
+        axis = axis_before_layout_op(current, axis)
         layout.append(current)
         current = current.args[0]
     if not isinstance(current, Node):

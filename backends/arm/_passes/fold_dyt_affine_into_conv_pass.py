@@ -61,7 +61,7 @@ from etfold.backends.arm._passes.dyt_match import (
     single_qargs,
 )
 from etfold.backends.arm._passes.graph_utils import (
-    axis_before_view,
+    axis_before_layout_op,
     channel_vector,
     create_constant,
     fresh_constant_name,
@@ -114,16 +114,6 @@ class _Site:
     steps: tuple[_Step, ...]
 
 
-def _axis_before(node: Node, axis: int | None, shape: tuple[int, ...]) -> int | None:
-    """The axis of a permute's or view's input that becomes `axis` of its output whole."""
-    if axis is None:
-        return None
-    if node.target == PERMUTE:
-        return list(node.args[1])[axis] % len(shape)
-    source_shape = shape_of(node.args[0])
-    return None if source_shape is None else axis_before_view(source_shape, shape, axis)
-
-
 def _slice_index(node: Node, axis: int | None, index: torch.Tensor | None):
     """The chain channels a channel-axis slice keeps (composed with `index`); False: unreadable."""
     dim = int(node.args[1]) if len(node.args) > 1 else 0
@@ -161,7 +151,7 @@ def _layout(conv: Node) -> _Layout | None:
                 return None
         else:
             permutes += node.target == PERMUTE
-            axis = _axis_before(node, axis, shape)
+            axis = axis_before_layout_op(node, axis)
         nodes.append(node)
         node = node.args[0]
     if not isinstance(node, Node):

@@ -19,6 +19,7 @@ import hashlib
 from collections.abc import Iterable, Iterator
 
 import torch
+from executorch.exir.dialects._ops import ops as exir_ops
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule, Node
@@ -419,3 +420,37 @@ def channel_vector(
     if shape[channel_axis] not in (1, channels):
         return None
     return values.reshape(-1).expand(channels) if values.numel() == 1 else values.reshape(channels)
+
+
+_PERMUTE_TARGETS = frozenset(
+    {
+        _aten.permute.default,
+        _aten.permute_copy.default,
+        exir_ops.edge.aten.permute_copy.default,
+    }
+)
+_VIEW_TARGETS = frozenset(
+    {
+        _aten.view.default,
+        _aten.reshape.default,
+        _aten.view_copy.default,
+        exir_ops.edge.aten.view_copy.default,
+    }
+)
+
+
+def axis_before_layout_op(node: Node, axis: int | None) -> int | None:
+    """The axis of a permute's or view's input that becomes `axis` of its output
+    whole; None when unknown (no metadata, a view that splits or merges it, any
+    other op)."""
+    if axis is None:
+        return None
+    if node.target in _PERMUTE_TARGETS:
+        order = list(node.args[1])
+        return order[axis] % len(order)
+    if node.target not in _VIEW_TARGETS or not isinstance(node.args[0], Node):
+        return None
+    source, result = node.args[0].meta.get("val"), node.meta.get("val")
+    if not isinstance(source, torch.Tensor) or not isinstance(result, torch.Tensor):
+        return None
+    return axis_before_view(tuple(source.shape), tuple(result.shape), axis)

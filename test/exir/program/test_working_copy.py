@@ -42,3 +42,13 @@ def test_rewriting_the_copy_leaves_the_original_alone():
     copied.graph_module.recompile()
     assert program.graph_module.code == code
     assert copied.state_dict["weight"] is program.state_dict["weight"]  # tensors are shared
+
+
+def test_a_program_that_lost_some_meta_val_is_copied_as_it_is():
+    """Stock lowering accepts it; the copy must not re-verify and refuse it."""
+    program = torch.export.export(NamedLikeABuiltin(), (torch.randn(3),))
+    (mul,) = [n for n in program.graph.nodes if n.op == "call_function"]
+    del mul.meta["val"]
+    copied = copy_for_rewrite(program)
+    (copied_mul,) = [n for n in copied.graph.nodes if n.op == "call_function"]
+    assert "val" not in copied_mul.meta and copied.graph is not program.graph
