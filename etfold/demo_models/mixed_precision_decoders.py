@@ -96,6 +96,13 @@ def _gemma3(dtype: torch.dtype):
     return build
 
 
+def _llama(dtype: torch.dtype):
+    def build():
+        return tiny_llama(dtype), (token_ids(),)
+
+    return build
+
+
 MODELS = [
     DemoModel(
         "gemma3_tiny_bf16",
@@ -112,6 +119,23 @@ MODELS = [
         _gemma3(torch.float16),
         "Gemma3 (2 layers, hidden 256) in fp16: fp32 RMSNorm/rotary converts between fp16 ops",
         fp32_twin=_gemma3(torch.float32),
+        requires=("transformers",),
+    ),
+    DemoModel(
+        "llama_tiny_bf16",
+        "xnnpack",
+        _llama(torch.bfloat16),
+        "Llama (2 layers, hidden 128) in bf16: fp32 RMSNorm/rotary converts between bf16 ops",
+        fp32_twin=_llama(torch.float32),
+        partitioner_kwargs={"enable_bf16": True},
+        requires=("transformers",),
+    ),
+    DemoModel(
+        "llama_tiny_fp16",
+        "xnnpack",
+        _llama(torch.float16),
+        "Llama (2 layers, hidden 128) in fp16: fp32 RMSNorm/rotary converts between fp16 ops",
+        fp32_twin=_llama(torch.float32),
         requires=("transformers",),
     ),
 ]

@@ -143,12 +143,14 @@ def test_convert_classification_sees_through_delegates():
         torch.testing.assert_close(actual, reference, atol=1e-3, rtol=1e-2)
 
 
-def test_report_models_are_the_tiny_gemma3_in_bf16_and_fp16():
+def test_report_models_are_the_tiny_gemma3_and_llama_in_bf16_and_fp16():
     from etfold.demo_models.mixed_precision_decoders import MODELS
 
     built = {m.name: (m.backend, m.build()) for m in MODELS}
-    assert set(built) == {"gemma3_tiny_bf16", "gemma3_tiny_fp16"}
-    for name, dtype in [("gemma3_tiny_bf16", torch.bfloat16), ("gemma3_tiny_fp16", torch.float16)]:
+    names = [f"{model}_tiny_{dtype}" for model in ("gemma3", "llama") for dtype in ("bf16", "fp16")]
+    assert set(built) == set(names)
+    for name in names:
+        dtype = torch.bfloat16 if name.endswith("bf16") else torch.float16
         backend, (module, (ids,)) = built[name]
         assert backend == "xnnpack" and ids.shape == (1, 32)
         assert {p.dtype for p in module.parameters()} == {dtype}
