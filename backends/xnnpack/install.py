@@ -174,8 +174,8 @@ def acquire(count: int = 1) -> None:
     if count <= 0:
         return
     with _lock:
-        if _holds == 0:
-            _installed_by_holds = not is_installed()
+        if _holds == 0 or not is_installed():  # a direct uninstall() may have dropped it
+            _installed_by_holds = _installed_by_holds if _holds else not is_installed()
             install()
         _holds += count
     taken = _call_holds.get()

@@ -44,6 +44,7 @@ def _upstream_state():
 def pristine():
     """Start uninstalled; leave the process as the test found it."""
     was_installed = install.is_installed()
+    install.release(install.holds())  # holds a partition-only test left behind
     install.uninstall()
     yield _upstream_state()
     install.uninstall()
