@@ -71,13 +71,9 @@ def _wants_dtype_converts(compile_specs) -> bool:
     return any(spec.key == DTYPE_CONVERTS_SPEC.key for spec in compile_specs)
 
 
-def _wants_layout_guard(compile_specs) -> bool:
-    return has_layout_guard(compile_specs)
-
-
 def is_marked(compile_specs) -> bool:
     """The partition carries a spec that etfold's preprocess wrapper acts on."""
-    return _wants_dtype_converts(compile_specs) or _wants_layout_guard(compile_specs)
+    return _wants_dtype_converts(compile_specs) or has_layout_guard(compile_specs)
 
 
 def _marked_preprocess(edge_program, compile_specs):
@@ -85,7 +81,7 @@ def _marked_preprocess(edge_program, compile_specs):
         return _marked_preprocess.upstream(edge_program, compile_specs)
     try:
         with contextlib.ExitStack() as scope:
-            if _wants_layout_guard(compile_specs):
+            if has_layout_guard(compile_specs):
                 scope.enter_context(last_axis_ops_read_nchw())
             if _wants_dtype_converts(compile_specs):
                 RewriteDtypeCopiesAsConvertsPass()(edge_program.graph_module)
@@ -174,9 +170,9 @@ def acquire(count: int = 1) -> None:
     if count <= 0:
         return
     with _lock:
-        if _holds == 0 or not is_installed():  # a direct uninstall() may have dropped it
-            _installed_by_holds = _installed_by_holds if _holds else not is_installed()
-            install()
+        if _holds == 0:
+            _installed_by_holds = not is_installed()
+        install()  # idempotent; puts back a wrapper a direct uninstall() dropped
         _holds += count
     taken = _call_holds.get()
     if taken is not None:
