@@ -89,16 +89,11 @@ def token_ids(vocab: int = 1000, length: int = SEQUENCE) -> torch.Tensor:
     return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(1))
 
 
-def _gemma3(dtype: torch.dtype):
+def _decoder(make, dtype: torch.dtype):
+    """The report's builder for `make(dtype)` on the shared token ids."""
+
     def build():
-        return tiny_gemma3(dtype), (token_ids(),)
-
-    return build
-
-
-def _llama(dtype: torch.dtype):
-    def build():
-        return tiny_llama(dtype), (token_ids(),)
+        return make(dtype), (token_ids(),)
 
     return build
 
@@ -107,35 +102,35 @@ MODELS = [
     DemoModel(
         "gemma3_tiny_bf16",
         "xnnpack",
-        _gemma3(torch.bfloat16),
+        _decoder(tiny_gemma3, torch.bfloat16),
         "Gemma3 (2 layers, hidden 256) in bf16: fp32 RMSNorm/rotary converts between bf16 ops",
-        fp32_twin=_gemma3(torch.float32),
+        fp32_twin=_decoder(tiny_gemma3, torch.float32),
         partitioner_kwargs={"enable_bf16": True},
         requires=("transformers",),
     ),
     DemoModel(
         "gemma3_tiny_fp16",
         "xnnpack",
-        _gemma3(torch.float16),
+        _decoder(tiny_gemma3, torch.float16),
         "Gemma3 (2 layers, hidden 256) in fp16: fp32 RMSNorm/rotary converts between fp16 ops",
-        fp32_twin=_gemma3(torch.float32),
+        fp32_twin=_decoder(tiny_gemma3, torch.float32),
         requires=("transformers",),
     ),
     DemoModel(
         "llama_tiny_bf16",
         "xnnpack",
-        _llama(torch.bfloat16),
+        _decoder(tiny_llama, torch.bfloat16),
         "Llama (2 layers, hidden 128) in bf16: fp32 RMSNorm/rotary converts between bf16 ops",
-        fp32_twin=_llama(torch.float32),
+        fp32_twin=_decoder(tiny_llama, torch.float32),
         partitioner_kwargs={"enable_bf16": True},
         requires=("transformers",),
     ),
     DemoModel(
         "llama_tiny_fp16",
         "xnnpack",
-        _llama(torch.float16),
+        _decoder(tiny_llama, torch.float16),
         "Llama (2 layers, hidden 128) in fp16: fp32 RMSNorm/rotary converts between fp16 ops",
-        fp32_twin=_llama(torch.float32),
+        fp32_twin=_decoder(tiny_llama, torch.float32),
         requires=("transformers",),
     ),
 ]
