@@ -30,15 +30,16 @@ partitioner can report, and drop, a view that would sit in a delegate alone.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 from torch.export import ExportedProgram
 
-from etfold.decisions import Declined, record_declined
-from etfold.exir.passes.graph_walk import op_qualified_name, underlying_op
-from etfold.exir.program.working_copy import copy_for_rewrite
+from etfold.decisions import Declined
+from etfold.exir.passes.graph_walk import op_qualified_name, written_arguments
+from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 
 FOLD = "xnnpack.shape_op_as_view"
 SHAPE_OP_MARK = "etfold_shape_op_as_view"
@@ -120,12 +121,8 @@ def view_shape(value: torch.Tensor) -> tuple[int, ...] | Declined:
 
 
 def _written_in_place(node: torch.fx.Node) -> bool:
-    """A user may write through it (a view passes writes to its base, a copy would not)."""
-    for user in node.users:
-        schema = getattr(underlying_op(user.target), "_schema", None)
-        if schema is not None and schema.is_mutable:
-            return True
-    return False
+    """A user writes into it (a view passes writes to its base, a copy would not)."""
+    return any(node in written_arguments(user) for user in node.users)
 
 
 def match_shape_op(
@@ -172,19 +169,5 @@ def shape_ops_as_views(
 ) -> ExportedProgram:
     """`program`, or a rewritten copy when some squeeze or unsqueeze becomes a view."""
     dtypes = _FLOATS | {torch.bfloat16} if bf16 else _FLOATS
-    matches = []
-    for node in program.graph.nodes:
-        found = match_shape_op(node, delegated, dtypes)
-        if isinstance(found, Declined):
-            record_declined(FOLD, node.name, found.reason)
-        elif found is not None:
-            matches.append(found.node.name)
-    if not matches:
-        return program
-    program = copy_for_rewrite(program)
-    nodes = {node.name: node for node in program.graph.nodes}
-    for name in matches:
-        match = match_shape_op(nodes[name], delegated, dtypes)
-        rewrite_as_view(match)
-    program.graph_module.recompile()
-    return program
+    match = functools.partial(match_shape_op, delegated=delegated, dtypes=dtypes)
+    return rewrite_matches_on_a_copy(program, match, rewrite_as_view, FOLD)
