@@ -84,9 +84,46 @@ def _recover(state_dir: Path, family: str, seed: int, records: list[dict]) -> No
 
 
 def _recorded(path: Path) -> list[dict]:
+    """The records of a state file, one per case index. A case recorded as a process crash
+    and then run to a verdict (a crash record written by a second run sharing the state, from
+    before the lock) counts by its verdict."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_index: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            if by_index.get(record["index"], {}).get("verdict") in (None, "process_crash"):
+                by_index[record["index"]] = record
+    return [by_index[i] for i in sorted(by_index)]
+
+
+def _lock_families(state_dir: Path, families: list[str], seed: int) -> list:
+    """Hold an exclusive lock on each family's state for this run: two runs appending to one
+    state file would each take the other's in-flight case for a native crash."""
+    import fcntl
+
+    held = []
+    for family in families:
+        handle = (state_dir / f"{family}-seed{seed}.lock").open("w")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(
+                f"another fuzz run is using {state_dir} for {family}, seed {seed}"
+            ) from None
+        held.append(handle)
+    return held
+
+
+def _source_revision() -> str:
+    """The commit the cases ran on (with '-dirty' for uncommitted changes), for the record."""
+    import subprocess
+
+    described = subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True
+    )
+    return described.stdout.strip() or "unknown"
 
 
 def run_one(family: str, seed: int, index: int, timeout: int) -> dict:
@@ -204,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     per_family = -(-args.cases // len(args.families))
     deadline = None if args.budget is None else time.monotonic() + 60 * args.budget
     signal.signal(signal.SIGALRM, _on_alarm)
+    locks = [] if args.summary_only else _lock_families(args.state_dir, args.families, args.seed)
+    revision = None if args.summary_only else _source_revision()
     records = {f: _recorded(_state_file(args.state_dir, f, args.seed)) for f in args.families}
     for family in args.families:
         _recover(args.state_dir, family, args.seed, records[family])
@@ -216,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         marker = _inflight(args.state_dir, family, args.seed)
         marker.write_text(str(len(records[family])))
         record = run_one(family, args.seed, len(records[family]), args.timeout)
+        record["revision"] = revision
         records[family].append(record)
         with _state_file(args.state_dir, family, args.seed).open("a") as out:
             out.write(json.dumps(record) + "\n")
@@ -225,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {record['case']}", flush=True)
     for family in args.families:
         print(summary_line(family, records[family], args.seed))
+    for handle in locks:
+        handle.close()
     return 1 if any(failed(r) for r in records.values()) else 0
 
 

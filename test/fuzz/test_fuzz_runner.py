@@ -87,6 +87,34 @@ def test_a_case_that_killed_the_process_is_recorded_and_skipped_on_resume(
     assert not list(tmp_path.glob("*.inflight"))
 
 
+def test_a_case_run_after_a_stale_crash_record_counts_by_its_verdict(fuzz, tmp_path):
+    lines = [
+        {"index": 0, "verdict": "ok"},
+        {"index": 1, "verdict": "process_crash"},
+        {"index": 1, "verdict": "wrong"},
+        {"index": 2, "verdict": "ok"},
+    ]
+    state = tmp_path / "dyt-seed0.jsonl"
+    state.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert [(r["index"], r["verdict"]) for r in fuzz._recorded(state)] == [
+        (0, "ok"),
+        (1, "wrong"),
+        (2, "ok"),
+    ]
+
+
+def test_a_second_run_on_the_same_state_stops_with_one_clear_message(fuzz, monkeypatch, tmp_path):
+    ran = _recorder(fuzz, monkeypatch, {})
+    held = fuzz._lock_families(tmp_path, ["dyt"], 0)
+    with pytest.raises(SystemExit, match="another fuzz run is using"):
+        fuzz.main(["--cases", "4", "--state-dir", str(tmp_path), "--families", "dyt"])
+    assert ran == []
+    held[0].close()
+    assert fuzz.main(["--cases", "4", "--state-dir", str(tmp_path), "--families", "dyt"]) == 0
+    recorded = [json.loads(x) for x in (tmp_path / "dyt-seed0.jsonl").read_text().splitlines()]
+    assert all(r["revision"] for r in recorded)
+
+
 def test_workers_split_the_families_and_keep_the_other_arguments(fuzz):
     argv = ["--seed", "3", "--jobs", "2", "--families", "dyt", "converts", "--budget", "5"]
     worker = fuzz._worker_argv(argv, ["dyt"])
