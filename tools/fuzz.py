@@ -165,7 +165,8 @@ def summary_line(family: str, records: list[dict], seed: int) -> str:
         f" {verdicts['crash_etfold']} etfold only / {verdicts['crash_both']} both,"
         f" mutations {verdicts['mutation']}, timeouts {verdicts['timeout']};"
         f" more delegates {verdicts['more_delegates'] - _pending(records, 'more_delegates')},"
-        f" upstream wrong {verdicts['upstream_wrong']}, harness errors {verdicts['harness_error']},"
+        f" upstream wrong {verdicts['upstream_wrong']} (stock alone {verdicts['stock_wrong']}),"
+        f" harness errors {verdicts['harness_error']},"
         f" process crashes {verdicts['process_crash']},"
         f" known pending total {pending}"
     )
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         with _state_file(args.state_dir, family, args.seed).open("a") as out:
             out.write(json.dumps(record) + "\n")
         marker.unlink()
-        if record["verdict"] not in ("ok", "upstream_wrong", "crash_both"):
+        if record["verdict"] not in ("ok", "upstream_wrong", "stock_wrong", "crash_both"):
             print(f"[{family} #{record['index']}] {record['verdict']}: {record['detail']}")
             print(f"    {record['case']}", flush=True)
     for family in args.families:

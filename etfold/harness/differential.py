@@ -15,6 +15,8 @@
 - crash_etfold: etfold raised where the baseline lowered and ran
 - crash_both: the baseline raised too (an upstream failure, see KNOWN_UPSTREAM)
 - upstream_wrong: the baseline is as wrong as etfold (an upstream bug)
+- stock_wrong: the baseline's program is wrong and etfold's is right; delegate
+  counts are not compared against a wrong program
 - mutation: etfold wrote into the user's module or ExportedProgram
 - more_delegates: etfold's program has more delegates than the baseline's and no
   fewer ops outside them (XNNPACK; for TOSA, more delegates)
@@ -55,6 +57,7 @@ VERDICTS = (
     "crash_etfold",
     "crash_both",
     "upstream_wrong",
+    "stock_wrong",
     "mutation",
     "more_delegates",
 )
@@ -437,6 +440,8 @@ def _judge(
             "wrong",
             f"error {outcome.etfold_error:.3g} > tolerance {tolerance:.3g} (baseline {base})",
         )
+    if outcome.baseline_error is not None and outcome.baseline_error > tolerance:
+        return _with(outcome, "stock_wrong", f"baseline error {outcome.baseline_error:.3g}")
     if baseline.error is None and _fragments(ours, baseline):
         return _with(
             outcome,
@@ -725,12 +730,13 @@ def _farther_from_eager(unfolded, ours, eager: list[torch.Tensor], program) -> b
 def failure_message(case, outcome: Outcome) -> str | None:
     """None when the outcome is acceptable; else what went wrong, with the case as repro.
 
-    Acceptable: ok; the baseline failing the same way (upstream_wrong, or
+    Acceptable: ok; stock alone wrong (stock_wrong); the baseline failing the same
+    way (upstream_wrong, or
     crash_both with an error in KNOWN_UPSTREAM); a failure of a class with an
     open fix (`known_pending`). An unknown upstream crash is not acceptable
     until it is listed, so a new upstream failure is looked at once.
     """
-    if outcome.verdict in ("ok", "upstream_wrong"):
+    if outcome.verdict in ("ok", "upstream_wrong", "stock_wrong"):
         return None
     if outcome.verdict == "crash_both":
         if known_upstream(outcome.detail):

@@ -24,3 +24,32 @@ def test_generated_weight_fold_programs_are_never_wrong(case):
     event(outcome.verdict)
     message = failure_message(case, outcome)
     assert message is None, message
+
+
+def test_a_conv_transpose_weight_also_read_by_other_ops_stays_right_where_stock_is_wrong():
+    """Stock serializes the shared conv-transpose weight in the GEMM layout and lets the
+    other readers of the parameter see that layout. etfold keeps those readers out of the
+    delegate (recorded), so it has more delegates; against a wrong program that is no
+    fault of etfold's."""
+    from etfold.harness.generated import GemmLayer, WeightFoldCase
+
+    case = WeightFoldCase(
+        seed=45075,
+        dims=2,
+        in_channels=6,
+        size=(3, 2),
+        batch=1,
+        layers=(
+            GemmLayer("conv_transpose", 5, kernel=3, bias=False, activation="tanh"),
+            GemmLayer("linear", 2, bias=False, weight="user_sum"),
+        ),
+        share="derived",
+        buffer="none",
+        second_method=True,
+        dtype="float32",
+    )
+    outcome = run_case(case)
+    assert outcome.verdict == "stock_wrong", outcome.detail
+    assert outcome.etfold_error <= outcome.tolerance < outcome.baseline_error
+    assert any("constant_layout:declined:p_layers_0_weight" in d for d in outcome.decisions)
+    assert failure_message(case, outcome) is None
