@@ -219,3 +219,12 @@ def insert_to_copy(graph: torch.fx.Graph, value: torch.fx.Node, **kwargs) -> tor
     copied = graph.call_function(torch.ops.aten._to_copy.default, (value,), kwargs)
     copied.meta["val"] = torch.ops.aten._to_copy.default(value.meta["val"], **kwargs)
     return copied
+
+
+def convert_every_use(graph: torch.fx.Graph, node: torch.fx.Node, **kwargs) -> torch.fx.Node:
+    """Put `aten._to_copy(node, **kwargs)` right after `node` and make every other user of
+    `node` read that copy instead; returns the copy."""
+    with graph.inserting_after(node):
+        converted = insert_to_copy(graph, node, **kwargs)
+    node.replace_all_uses_with(converted, delete_user_cb=lambda user: user is not converted)
+    return converted

@@ -25,7 +25,7 @@ import torch
 from torch.export import ExportedProgram
 
 from etfold.decisions import Declined, record_applied
-from etfold.exir.passes.graph_walk import insert_to_copy, is_channels_last
+from etfold.exir.passes.graph_walk import convert_every_use, insert_to_copy, is_channels_last
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 
 FOLD = "xnnpack.contiguous_last_axis_input"
@@ -97,9 +97,7 @@ def rewrite_channels_last_normalization(match: ChannelsLastNormalization) -> Non
         node.replace_input_with(match.source, contiguous)
     node.meta["val"] = node.meta["val"].contiguous()
     if match.output_channels_last:
-        with graph.inserting_after(node):
-            restored = insert_to_copy(graph, node, memory_format=torch.channels_last)
-        node.replace_all_uses_with(restored, delete_user_cb=lambda user: user is not restored)
+        convert_every_use(graph, node, memory_format=torch.channels_last)
     record_applied(
         FOLD,
         node.name,

@@ -27,7 +27,7 @@ import torch
 from torch.export import ExportedProgram
 
 from etfold.decisions import Declined, record_applied
-from etfold.exir.passes.graph_walk import insert_to_copy
+from etfold.exir.passes.graph_walk import convert_every_use, insert_to_copy
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 
 FOLD = "xnnpack.widen_half_precision_ops"
@@ -130,9 +130,7 @@ def rewrite_half_precision_op(match: HalfPrecisionOp) -> None:
             node.replace_input_with(source, insert_to_copy(graph, source, dtype=torch.float32))
     args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _fake)
     node.meta["val"] = node.target(*args, **kwargs)
-    with graph.inserting_after(node):
-        narrowed = insert_to_copy(graph, node, dtype=match.dtype)
-    node.replace_all_uses_with(narrowed, delete_user_cb=lambda user: user is not narrowed)
+    convert_every_use(graph, node, dtype=match.dtype)
     record_applied(
         FOLD,
         node.name,
