@@ -356,18 +356,11 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
         ethos_u_backend.preprocess = original_ethos_u_preprocess
         raise
 
-    registry = module._registered_pass_insertions
-    created = list(
-        dict.fromkeys(anchors[e.anchor] for e in backend if anchors[e.anchor] not in registry)
-    )
-    entries: list[tuple[type, Position, Any]] = []
-    for entry, instance in zip(backend, instances, strict=True):
-        anchor_type = anchors[entry.anchor]
-        if entry.position == "before":
-            module.register_pass_insertions_before(anchor_type, [instance])
-        else:
-            module.register_pass_insertions_after(anchor_type, [instance])
-        entries.append((anchor_type, entry.position, instance))
+    entries = [
+        (anchors[entry.anchor], entry.position, instance)
+        for entry, instance in zip(backend, instances, strict=True)
+    ]
+    created = add_pass_insertions(entries)
     _installed = _Installed(
         original_add_pass,
         original_pre_decomposition,
@@ -422,18 +415,36 @@ def _uninstall() -> None:
     )
     module.ArmPassManager.transform_to_backend_pipeline = _installed.original_backend_pipeline
     _ethos_u_backend().preprocess = _installed.original_ethos_u_preprocess
+    remove_pass_insertions(_installed.registry_entries, _installed.created_registry_keys)
+    _installed = None
+
+
+def add_pass_insertions(entries: list[tuple[type, Position, Any]]) -> list[type]:
+    """Put each pass instance before/after its anchor type in upstream's insertion registry.
+    Returns the anchors that had no registry entry before, for `remove_pass_insertions`."""
+    module = _pass_manager_module()
     registry = module._registered_pass_insertions
-    for anchor_type, position, instance in _installed.registry_entries:
+    created = list(dict.fromkeys(a for a, _, _ in entries if a not in registry))
+    for anchor_type, position, instance in entries:
+        register = getattr(module, f"register_pass_insertions_{position}")
+        register(anchor_type, [instance])
+    return created
+
+
+def remove_pass_insertions(entries: list[tuple[type, Position, Any]], created: list[type]) -> None:
+    """Take exactly these instances out of upstream's registry again (others' entries stay),
+    and drop the anchors `add_pass_insertions` created once they are empty."""
+    registry = _pass_manager_module()._registered_pass_insertions
+    for anchor_type, position, instance in entries:
         insertions = registry.get(anchor_type)
         if insertions is None:
             continue
         passes = insertions.before_passes if position == "before" else insertions.after_passes
         passes[:] = [p for p in passes if p is not instance]
-    for anchor_type in _installed.created_registry_keys:
+    for anchor_type in created:
         insertions = registry.get(anchor_type)
         if insertions is not None and not insertions.before_passes and not insertions.after_passes:
             del registry[anchor_type]
-    _installed = None
 
 
 def are_arm_folds_registered() -> bool:

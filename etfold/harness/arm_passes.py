@@ -22,25 +22,19 @@ def arm_pass_insertions(
     after: Mapping[type, Sequence[object]] | None = None,
 ) -> Iterator[None]:
     """Insert pass instances before/after upstream pass types; remove exactly them on exit."""
-    from executorch.backends.arm._passes import arm_pass_manager as apm
+    from etfold.backends.arm.registration import add_pass_insertions, remove_pass_insertions
 
-    added: list[tuple[type, str, object]] = []
+    entries = [
+        (target, side, instance)
+        for side, table in (("before", before or {}), ("after", after or {}))
+        for target, passes in table.items()
+        for instance in passes
+    ]
+    created = add_pass_insertions(entries)
     try:
-        for side, table in (("before", before or {}), ("after", after or {})):
-            for target, passes in table.items():
-                register = getattr(apm, f"register_pass_insertions_{side}")
-                register(target, list(passes))
-                added.extend((target, side, p) for p in passes)
         yield
     finally:
-        for target, side, instance in added:
-            insertions = apm._registered_pass_insertions.get(target)
-            if insertions is None:
-                continue
-            bucket = insertions.before_passes if side == "before" else insertions.after_passes
-            bucket[:] = [p for p in bucket if p is not instance]
-            if not insertions.before_passes and not insertions.after_passes:
-                del apm._registered_pass_insertions[target]
+        remove_pass_insertions(entries, created)
 
 
 def lower_tosa_with_passes(
