@@ -21,6 +21,8 @@ from executorch.exir.dialects.edge._ops import EdgeOpOverload
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from etfold.decisions import Declined
+
 # Placeholder kinds in the order torch.export lays them out.
 PLACEHOLDER_RANK = {
     InputKind.TOKEN: 0,
@@ -157,50 +159,69 @@ def placeholders_written_in_place(graph: torch.fx.Graph) -> set[torch.fx.Node]:
 def constant_sources(
     ep: ExportedProgram, *, fold_buffers: bool
 ) -> tuple[dict[torch.fx.Node, ConstantSource], dict[torch.fx.Node, str]]:
-    """Placeholders whose values are known, and the reason each other constant is not.
-
-    Known: parameters and lifted tensor constants, plus buffers when `fold_buffers`.
-    Never known: anything the program writes (mutation outputs, in-place ops on it
-    or a view of it), a parameter that receives a gradient, a non-plain tensor.
-    """
-    signature = ep.graph_signature
-    mutated_targets = {
-        spec.target
-        for spec in signature.output_specs
-        if spec.kind
-        in (
-            OutputKind.BUFFER_MUTATION,
-            OutputKind.PARAMETER_MUTATION,
-            OutputKind.GRADIENT_TO_PARAMETER,
-        )
-    }
+    """Placeholders whose values are known, and the reason each other constant is not."""
     written = placeholders_written_in_place(ep.graph)
-    specs = {spec.arg.name: spec for spec in signature.input_specs if hasattr(spec.arg, "name")}
     known: dict[torch.fx.Node, ConstantSource] = {}
     excluded: dict[torch.fx.Node, str] = {}
     for node in placeholders(ep):
-        spec = specs.get(node.name)
-        if spec is None or spec.kind not in (
-            InputKind.PARAMETER,
-            InputKind.BUFFER,
-            InputKind.CONSTANT_TENSOR,
-        ):
-            continue
-        if spec.kind == InputKind.BUFFER and not fold_buffers:
-            excluded[node] = f"buffer {spec.target} (fold_buffers=False)"
-            continue
-        if spec.target in mutated_targets:
-            excluded[node] = f"{spec.target} is mutated or trained by the program"
-            continue
-        if node in written:
-            excluded[node] = f"{spec.target} is written in place"
-            continue
-        value = stored_value(ep, spec.kind, spec.target, spec.persistent)
-        if not is_plain_tensor(value):
-            excluded[node] = f"{spec.target} is not a plain tensor ({type(value).__name__})"
-            continue
-        known[node] = ConstantSource(node, spec.kind, spec.target, spec.persistent, value)
+        found = known_placeholder(ep, node, fold_buffers=fold_buffers, written=written)
+        if isinstance(found, ConstantSource):
+            known[node] = found
+        elif found is not None:
+            excluded[node] = found.reason
     return known, excluded
+
+
+def known_placeholder(
+    ep: ExportedProgram,
+    node: torch.fx.Node,
+    *,
+    fold_buffers: bool = True,
+    written: set[torch.fx.Node] | None = None,
+) -> ConstantSource | Declined | None:
+    """Whether a placeholder's value is known before the program runs: the one answer.
+
+    Known: parameters and lifted tensor constants, plus buffers when `fold_buffers`.
+    Never known (Declined, with why): anything the program writes (mutation outputs,
+    in-place ops on it or a view of it), a parameter that receives a gradient, a
+    non-plain tensor. None: not a parameter, buffer or constant (a user input).
+    `written` is `placeholders_written_in_place(ep.graph)`, when the caller has it.
+    """
+    spec = _input_specs(ep).get(node.name)
+    if spec is None or spec.kind not in _STATE_KINDS:
+        return None
+    if spec.kind == InputKind.BUFFER and not fold_buffers:
+        return Declined(f"buffer {spec.target} (fold_buffers=False)")
+    if spec.target in _mutated_targets(ep):
+        return Declined(f"{spec.target} is mutated or trained by the program")
+    if node in (placeholders_written_in_place(ep.graph) if written is None else written):
+        return Declined(f"{spec.target} is written in place")
+    value = stored_value(ep, spec.kind, spec.target, spec.persistent)
+    if not is_plain_tensor(value):
+        return Declined(f"{spec.target} is not a plain tensor ({type(value).__name__})")
+    return ConstantSource(node, spec.kind, spec.target, spec.persistent, value)
+
+
+_STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+_WRITTEN_OUTPUT_KINDS = (
+    OutputKind.BUFFER_MUTATION,
+    OutputKind.PARAMETER_MUTATION,
+    OutputKind.GRADIENT_TO_PARAMETER,
+)
+
+
+def _input_specs(ep: ExportedProgram) -> dict:
+    return {
+        spec.arg.name: spec for spec in ep.graph_signature.input_specs if hasattr(spec.arg, "name")
+    }
+
+
+def _mutated_targets(ep: ExportedProgram) -> set[str]:
+    return {
+        spec.target
+        for spec in ep.graph_signature.output_specs
+        if spec.kind in _WRITTEN_OUTPUT_KINDS
+    }
 
 
 def is_channels_last(value) -> bool:

@@ -24,7 +24,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule, Node
 
-from etfold.exir.passes.graph_walk import written_arguments
+from etfold.exir.passes.graph_walk import ConstantSource, known_placeholder, written_arguments
 
 _WRITE_BACK_OUTPUTS = (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)
 
@@ -207,19 +207,8 @@ def constant_tensor(
         or exported_program.graph is not node.graph
     ):
         return None
-    signature = exported_program.graph_signature
-    if node.name in signature.inputs_to_parameters:
-        return exported_program.state_dict[signature.inputs_to_parameters[node.name]]
-    if node.name in signature.inputs_to_buffers:
-        target = signature.inputs_to_buffers[node.name]
-        if target in signature.buffers_to_mutate.values():
-            return None
-        if target in exported_program.state_dict:
-            return exported_program.state_dict[target]
-        return exported_program.constants.get(target)
-    if node.name in signature.inputs_to_lifted_tensor_constants:
-        return exported_program.constants[signature.inputs_to_lifted_tensor_constants[node.name]]
-    return None
+    found = known_placeholder(exported_program, node)
+    return found.tensor if isinstance(found, ConstantSource) else None
 
 
 def _taken_names(graph_module: GraphModule, exported_program: ExportedProgram | None) -> set[str]:
