@@ -93,6 +93,15 @@ KNOWN_UPSTREAM: tuple[tuple[str, str], ...] = (
         " permute -> mul by a rank-1 parameter -> permute back (the reference model segfaults on it)",
     ),
     (
+        r"Failed to map a given dim_order: \[0, 2, 1, 3\]",
+        "fp16 channels-last convs over size-1 channel and width dims: a dim order that names"
+        " no memory format",
+    ),
+    (
+        r"running the 'Conv1dUnsqueezePass' pass",
+        "XNNPACK: Conv1dUnsqueezePass on a conv1d whose weight another conv1d also reads",
+    ),
+    (
         r"marked not to be transformed before annotation",
         "Arm: conv_transpose1d sites are not transformed before annotation",
     ),

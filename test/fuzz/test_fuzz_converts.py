@@ -24,3 +24,29 @@ def test_generated_mixed_precision_programs_are_never_wrong(case):
     event(outcome.verdict)
     message = failure_message(case, outcome)
     assert message is None, message
+
+
+def test_channels_last_convs_over_one_channel_fail_in_stock_to_edge_and_are_a_known_upstream_crash():
+    """With size-1 channel and width dims several dim orders share one set of strides;
+    stock's lowering derives [0, 2, 1, 3], which names no memory format, and raises.
+    etfold fails the same way (it does not hide the upstream error), and the harness
+    lists it as upstream's."""
+    from etfold.harness.differential import known_upstream
+    from etfold.harness.generated import ConvertRegion, ConvertsCase
+
+    case = ConvertsCase(
+        seed=44125,
+        channels=1,
+        size=(3, 1),
+        model_dtype="float16",
+        regions=(
+            ConvertRegion("float32", "conv", channels_last=True),
+            ConvertRegion("float32", "conv", channels_last=True),
+            ConvertRegion("float32", "add_residual"),
+            ConvertRegion("float32", "add_residual", channels_last=True),
+        ),
+    )
+    outcome = run_case(case)
+    assert outcome.verdict == "crash_both", outcome.detail
+    assert known_upstream(outcome.detail)
+    assert failure_message(case, outcome) is None

@@ -53,3 +53,27 @@ def test_a_conv_transpose_weight_also_read_by_other_ops_stays_right_where_stock_
     assert outcome.etfold_error <= outcome.tolerance < outcome.baseline_error
     assert any("constant_layout:declined:p_layers_0_weight" in d for d in outcome.decisions)
     assert failure_message(case, outcome) is None
+
+
+def test_a_strided_conv1d_tied_to_itself_fails_in_stock_xnnpack_and_is_a_known_upstream_crash():
+    """Upstream's Conv1dUnsqueezePass raises when a second conv1d reads the same weight;
+    etfold fails the same way and the harness lists it as upstream's."""
+    from etfold.harness.differential import known_upstream
+    from etfold.harness.generated import GemmLayer, WeightFoldCase
+
+    case = WeightFoldCase(
+        seed=2507,
+        dims=1,
+        in_channels=4,
+        size=(4,),
+        batch=2,
+        layers=(GemmLayer("conv", 5, kernel=2, stride=2, activation="relu"),),
+        share="tied",
+        buffer="none",
+        second_method=True,
+        dtype="float32",
+    )
+    outcome = run_case(case)
+    assert outcome.verdict == "crash_both", outcome.detail
+    assert known_upstream(outcome.detail)
+    assert failure_message(case, outcome) is None
