@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     locks = [] if args.summary_only else _lock_families(args.state_dir, args.families, args.seed)
     revision = None if args.summary_only else _source_revision()
     records = {f: _recorded(_state_file(args.state_dir, f, args.seed)) for f in args.families}
-    for family in args.families:
+    for family in [] if args.summary_only else args.families:  # a summary only reads
         _recover(args.state_dir, family, args.seed, records[family])
     # round-robin over the families, so a budget cut leaves every family sampled
     while not args.summary_only:
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         records[family].append(record)
         with _state_file(args.state_dir, family, args.seed).open("a") as out:
             out.write(json.dumps(record) + "\n")
-        marker.unlink()
+        marker.unlink(missing_ok=True)
         if record["verdict"] not in ("ok", "upstream_wrong", "stock_wrong", "crash_both"):
             print(f"[{family} #{record['index']}] {record['verdict']}: {record['detail']}")
             print(f"    {record['case']}", flush=True)

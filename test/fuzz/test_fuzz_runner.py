@@ -115,6 +115,14 @@ def test_a_second_run_on_the_same_state_stops_with_one_clear_message(fuzz, monke
     assert all(r["revision"] for r in recorded)
 
 
+def test_a_summary_while_a_run_is_in_flight_records_nothing(fuzz, monkeypatch, tmp_path):
+    _recorder(fuzz, monkeypatch, {})
+    (tmp_path / "dyt-seed0.inflight").write_text("0")  # a live run is inside dyt case 0
+    assert fuzz.main(["--summary-only", "--state-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "dyt-seed0.inflight").exists()
+    assert not (tmp_path / "dyt-seed0.jsonl").exists()
+
+
 def test_workers_split_the_families_and_keep_the_other_arguments(fuzz):
     argv = ["--seed", "3", "--jobs", "2", "--families", "dyt", "converts", "--budget", "5"]
     worker = fuzz._worker_argv(argv, ["dyt"])
