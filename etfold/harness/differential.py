@@ -84,7 +84,7 @@ KNOWN_UPSTREAM: tuple[tuple[str, str], ...] = (
         "XNNPACK preprocess: a delegate output that is also its input (a method returning a buffer it updates)",
     ),
     (
-        r"Failed to execute method \w+, error: 0x1",
+        r"Failed to execute method \w+, error: 0x1$",
         "XNNPACK runtime rejects the delegate at init (a bf16 BMM: xnn_status_invalid_parameter)",
     ),
     (
@@ -96,6 +96,11 @@ KNOWN_UPSTREAM: tuple[tuple[str, str], ...] = (
         r"Failed to map a given dim_order: \[0, 2, 1, 3\]",
         "fp16 channels-last convs over size-1 channel and width dims: a dim order that names"
         " no memory format",
+    ),
+    (
+        r"Failed to execute method \w+, error: 0x12$",
+        "portable _to_dim_order_copy rejects a channels-last copy over a size-1 channel dim"
+        " (its dim order check; InvalidArgument)",
     ),
     (
         r"running the 'Conv1dUnsqueezePass' pass",

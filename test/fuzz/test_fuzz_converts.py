@@ -50,3 +50,28 @@ def test_channels_last_convs_over_one_channel_fail_in_stock_to_edge_and_are_a_kn
     assert outcome.verdict == "crash_both", outcome.detail
     assert known_upstream(outcome.detail)
     assert failure_message(case, outcome) is None
+
+
+def test_a_channels_last_cast_over_one_channel_fails_in_stock_runtime_and_is_a_known_upstream_crash():
+    """The portable dim-order copy checks the output's dim order against the one its
+    strides imply; over a size-1 channel dim they disagree and the runtime rejects the
+    call, in stock and in etfold alike."""
+    from etfold.harness.differential import known_upstream
+    from etfold.harness.generated import ConvertRegion, ConvertsCase
+
+    case = ConvertsCase(
+        seed=436,
+        channels=1,
+        size=(4, 5),
+        model_dtype="float32",
+        regions=(
+            ConvertRegion("float16", "norm_in_fp32", channels_last=True),
+            ConvertRegion("float32", "norm_in_fp32", channels_last=True),
+            ConvertRegion("float16", "const_cast", channels_last=True),
+            ConvertRegion("float32", "linear"),
+        ),
+    )
+    outcome = run_case(case)
+    assert outcome.verdict == "crash_both", outcome.detail
+    assert "0x12" in outcome.detail and known_upstream(outcome.detail)
+    assert failure_message(case, outcome) is None
