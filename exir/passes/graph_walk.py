@@ -160,11 +160,11 @@ def constant_sources(
     ep: ExportedProgram, *, fold_buffers: bool
 ) -> tuple[dict[torch.fx.Node, ConstantSource], dict[torch.fx.Node, str]]:
     """Placeholders whose values are known, and the reason each other constant is not."""
-    written = placeholders_written_in_place(ep.graph)
+    facts = state_facts(ep)
     known: dict[torch.fx.Node, ConstantSource] = {}
     excluded: dict[torch.fx.Node, str] = {}
     for node in placeholders(ep):
-        found = known_placeholder(ep, node, fold_buffers=fold_buffers, written=written)
+        found = known_placeholder(ep, node, fold_buffers=fold_buffers, facts=facts)
         if isinstance(found, ConstantSource):
             known[node] = found
         elif found is not None:
@@ -177,7 +177,7 @@ def known_placeholder(
     node: torch.fx.Node,
     *,
     fold_buffers: bool = True,
-    written: set[torch.fx.Node] | None = None,
+    facts: StateFacts | None = None,
 ) -> ConstantSource | Declined | None:
     """Whether a placeholder's value is known before the program runs: the one answer.
 
@@ -185,16 +185,17 @@ def known_placeholder(
     Never known (Declined, with why): anything the program writes (mutation outputs,
     in-place ops on it or a view of it), a parameter that receives a gradient, a
     non-plain tensor. None: not a parameter, buffer or constant (a user input).
-    `written` is `placeholders_written_in_place(ep.graph)`, when the caller has it.
+    `facts` is `state_facts(ep)`, when the caller asks about many placeholders.
     """
-    spec = _input_specs(ep).get(node.name)
+    facts = facts or state_facts(ep)
+    spec = facts.specs.get(node.name)
     if spec is None or spec.kind not in _STATE_KINDS:
         return None
     if spec.kind == InputKind.BUFFER and not fold_buffers:
         return Declined(f"buffer {spec.target} (fold_buffers=False)")
-    if spec.target in _mutated_targets(ep):
+    if spec.target in facts.mutated_targets:
         return Declined(f"{spec.target} is mutated or trained by the program")
-    if node in (placeholders_written_in_place(ep.graph) if written is None else written):
+    if node in facts.written:
         return Declined(f"{spec.target} is written in place")
     value = stored_value(ep, spec.kind, spec.target, spec.persistent)
     if not is_plain_tensor(value):
@@ -210,18 +211,24 @@ _WRITTEN_OUTPUT_KINDS = (
 )
 
 
-def _input_specs(ep: ExportedProgram) -> dict:
-    return {
-        spec.arg.name: spec for spec in ep.graph_signature.input_specs if hasattr(spec.arg, "name")
-    }
+@dataclass(frozen=True)
+class StateFacts:
+    """What `known_placeholder` reads from the whole program, gathered once."""
+
+    specs: dict  # placeholder name -> its InputSpec
+    mutated_targets: frozenset[str]
+    written: frozenset[torch.fx.Node]
 
 
-def _mutated_targets(ep: ExportedProgram) -> set[str]:
-    return {
-        spec.target
-        for spec in ep.graph_signature.output_specs
-        if spec.kind in _WRITTEN_OUTPUT_KINDS
-    }
+def state_facts(ep: ExportedProgram) -> StateFacts:
+    signature = ep.graph_signature
+    return StateFacts(
+        specs={s.arg.name: s for s in signature.input_specs if hasattr(s.arg, "name")},
+        mutated_targets=frozenset(
+            s.target for s in signature.output_specs if s.kind in _WRITTEN_OUTPUT_KINDS
+        ),
+        written=frozenset(placeholders_written_in_place(ep.graph)),
+    )
 
 
 def is_channels_last(value) -> bool:
