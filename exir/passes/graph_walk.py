@@ -231,14 +231,19 @@ def state_facts(ep: ExportedProgram) -> StateFacts:
     )
 
 
+CHANNELS_LAST_DIM_ORDER = (0, 2, 3, 1)
+
+
 def is_channels_last(value) -> bool:
-    """A 4-D tensor laid out channels-last and not also contiguous (a size-1 dim can make
-    it both, and then no kernel can tell the layouts apart)."""
+    """A 4-D tensor whose dim order is channels-last.
+
+    Decided by dim order, not by which layouts the strides satisfy: a size-1 channel
+    or spatial dim makes a tensor contiguous in both, yet ExecuTorch carries the dim
+    order with it, and XNNPACK tags a channels-last copy NHWC whatever its sizes."""
     return (
         isinstance(value, torch.Tensor)
         and value.dim() == 4
-        and value.is_contiguous(memory_format=torch.channels_last)
-        and not value.is_contiguous()
+        and tuple(value.dim_order()) == CHANNELS_LAST_DIM_ORDER
     )
 
 

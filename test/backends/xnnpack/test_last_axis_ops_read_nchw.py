@@ -172,3 +172,26 @@ def test_generated_conv_softmax_shapes_never_mismatch(groups, multiplier, height
         module, x = module.half(), x.half()
     program, reference = _etfold(module, (x,), enable_bf16=True)
     assert max_abs_error(program.run(x), reference) <= (2e-3 if half else 1e-5)
+
+
+class SoftmaxOfChannelsLastCopy(torch.nn.Module):
+    """A channels-last copy of a one-channel tensor: contiguous by its strides too, yet
+    XNNPACK tags the copy NHWC, so its softmax over W must read NCHW."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        h = x.to(dtype=self.dtype, memory_format=torch.channels_last)
+        return torch.softmax(h.float(), dim=-1).to(self.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 9), (1, 1, 4, 6), (2, 1, 3, 5)])
+def test_softmax_of_channels_last_copy_with_one_channel_reads_nchw(shape, dtype):
+    torch.manual_seed(5)
+    x = torch.randn(shape).to(dtype)
+    program, reference = _etfold(SoftmaxOfChannelsLastCopy(dtype).eval(), (x,), enable_bf16=True)
+    tolerance = 1e-5 if dtype is torch.float32 else NARROW[dtype]
+    assert max_abs_error(program.run(x), reference) <= tolerance
