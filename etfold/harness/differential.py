@@ -84,7 +84,7 @@ KNOWN_UPSTREAM: tuple[tuple[str, str], ...] = (
         "XNNPACK preprocess: a delegate output that is also its input (a method returning a buffer it updates)",
     ),
     (
-        r"Failed to execute method \w+, error: 0x1$",
+        r"Failed to load method \w+, error: 0x:?1$",
         "XNNPACK runtime rejects the delegate at init (a bf16 BMM: xnn_status_invalid_parameter)",
     ),
     (
@@ -98,7 +98,7 @@ KNOWN_UPSTREAM: tuple[tuple[str, str], ...] = (
         " no memory format",
     ),
     (
-        r"Failed to execute method \w+, error: 0x12$",
+        r"method->execute\(\) failed with error 0x12$",
         "portable _to_dim_order_copy rejects a channels-last copy over a size-1 channel dim"
         " (its dim order check; InvalidArgument)",
     ),

@@ -64,23 +64,29 @@ class XnnpackProgram:
 
 @dataclass
 class LoadedProgram:
-    """A runtime module together with the program manager whose buffer it points into.
+    """A runtime program together with the program manager whose buffer it points into.
 
-    `_load_for_executorch_from_buffer` does not copy the buffer, so the manager must
-    live as long as the module; holding both here makes that impossible to get wrong.
+    Every method is loaded up front, as a deployed program would be: loading a method
+    (re)initializes the mutable buffers it shares with the others, so a method loaded
+    lazily on first call would wipe the state another method had already written.
     """
 
     executorch: ExecutorchProgramManager
-    module: Any = field(repr=False)
+    program: Any = field(repr=False)  # the methods point into it, as it points into the buffer
+    methods: dict[str, Any] = field(repr=False)
 
     def run_method(self, method: str, inputs: tuple) -> list:
-        return list(self.module.run_method(method, inputs))
+        return list(self.methods[method].execute(inputs))
 
 
 def load_program(executorch: ExecutorchProgramManager) -> LoadedProgram:
-    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+    """The program on the wheel's runtime, whose methods share one set of arenas (and so
+    the mutable buffers a program exported with `share_mutable_buffers` shares)."""
+    from executorch.runtime import Runtime
 
-    return LoadedProgram(executorch, _load_for_executorch_from_buffer(executorch.buffer))
+    program = Runtime.get().load_program(executorch.buffer)
+    methods = {name: program.load_method(name) for name in sorted(program.method_names)}
+    return LoadedProgram(executorch, program, methods)
 
 
 def lower_xnnpack(

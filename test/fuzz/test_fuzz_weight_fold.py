@@ -77,3 +77,25 @@ def test_a_strided_conv1d_tied_to_itself_fails_in_stock_xnnpack_and_is_a_known_u
     assert outcome.verdict == "crash_both", outcome.detail
     assert known_upstream(outcome.detail)
     assert failure_message(case, outcome) is None
+
+
+def test_a_buffer_updated_by_two_methods_is_judged_on_the_state_both_share():
+    """forward and a second method both update one buffer; the oracle runs each call on
+    the state the previous call left, whichever method made it, as eager does."""
+    from etfold.harness.generated import GemmLayer, WeightFoldCase
+
+    case = WeightFoldCase(
+        seed=3820,
+        dims=1,
+        in_channels=3,
+        size=(6,),
+        batch=1,
+        layers=(GemmLayer("linear", 3, weight="user_elementwise"),),
+        share="none",
+        buffer="written_in_forward",
+        second_method=True,
+        dtype="float32",
+    )
+    outcome = run_case(case)
+    assert outcome.verdict == "ok", outcome.detail
+    assert outcome.etfold_error <= 1e-5 and outcome.baseline_error <= 1e-5

@@ -217,3 +217,42 @@ def test_empty_outputs_compare_equal_and_low_precision_errors_are_exact():
     assert max_abs_error([torch.zeros(0, 4)], [torch.zeros(0, 4)]) == 0.0
     half = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
     assert max_abs_error([half], [half + 0.0078125]) == 0.0078125
+
+
+class SharedRunningGain(torch.nn.Module):
+    """Two methods that each read and update one buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, 3))
+
+    def _step(self, x):
+        y = self.linear(x) * self.gain.reshape(-1, 1)
+        self.gain.mul_(0.5).add_(0.25 * y.detach().mean())
+        return y
+
+    def forward(self, x):
+        return self._step(x)
+
+    def half(self, x):  # export swaps `forward` for the method it exports
+        return 0.5 * self._step(x)
+
+
+def test_methods_see_the_mutable_buffer_another_method_wrote():
+    """A method loaded lazily on its first call would re-initialize the shared buffer."""
+    from etfold.harness.differential import _executorch_config
+    from etfold.harness.generated import Built
+
+    torch.manual_seed(4)
+    module, x = SharedRunningGain().eval(), (torch.randn(1, 3, 4),)
+    methods = {"forward": x, "half": x}
+    programs = {name: export_method(module, name, x) for name in methods}
+    lowered = lower_xnnpack(
+        programs, executorch_config=_executorch_config(Built(module, methods, []))
+    )
+    eager = copy.deepcopy(module)
+    for method in ["forward", "half", "half", "forward", "half"]:
+        with torch.no_grad():
+            expected = [getattr(eager, method)(*x)]
+        assert_close(lowered.run(*x, method=method), expected, atol=1e-5)
