@@ -86,14 +86,15 @@ def _recover(state_dir: Path, family: str, seed: int, records: list[dict]) -> No
 def _recorded(path: Path) -> list[dict]:
     """The records of a state file, one per case index. A case recorded as a process crash
     and then run to a verdict (a crash record written by a second run sharing the state, from
-    before the lock) counts by its verdict."""
+    before the lock) counts by its verdict; a case run again by --recheck counts by its last run."""
     if not path.exists():
         return []
     by_index: dict[int, dict] = {}
     for line in path.read_text().splitlines():
         if line.strip():
             record = json.loads(line)
-            if by_index.get(record["index"], {}).get("verdict") in (None, "process_crash"):
+            earlier = by_index.get(record["index"], {}).get("verdict")
+            if earlier in (None, "process_crash") or record.get("recheck"):
                 by_index[record["index"]] = record
     return [by_index[i] for i in sorted(by_index)]
 
@@ -153,6 +154,23 @@ def run_one(family: str, seed: int, index: int, timeout: int) -> dict:
         signal.alarm(0)
     record.update(index=index, case=repr(case), seconds=round(time.monotonic() - started, 2))
     return record
+
+
+def _recheck(args, family: str, records: list[dict], revision: str, deadline) -> None:
+    """Run again, on this revision, every recorded case whose verdict is in --recheck (after
+    a fix, or a fix of the oracle); the new record replaces the old one."""
+    state = _state_file(args.state_dir, family, args.seed)
+    for position, old in enumerate(records):
+        if old["verdict"] not in args.recheck:
+            continue
+        if deadline is not None and time.monotonic() > deadline:
+            return
+        record = run_one(family, args.seed, old["index"], args.timeout)
+        record.update(revision=revision, recheck=True, rechecked_verdict=old["verdict"])
+        records[position] = record
+        with state.open("a") as out:
+            out.write(json.dumps(record) + "\n")
+        print(f"[{family} #{old['index']}] {old['verdict']} -> {record['verdict']}", flush=True)
 
 
 def summary_line(family: str, records: list[dict], seed: int) -> str:
@@ -226,6 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", type=Path, default=ROOT / ".fuzz")
     parser.add_argument("--summary-only", action="store_true", help="print the recorded summary")
     parser.add_argument(
+        "--recheck",
+        nargs="+",
+        default=[],
+        metavar="VERDICT",
+        help="first run again the recorded cases with these verdicts (after a fix)",
+    )
+    parser.add_argument(
         "--jobs",
         type=int,
         default=0,
@@ -247,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     records = {f: _recorded(_state_file(args.state_dir, f, args.seed)) for f in args.families}
     for family in [] if args.summary_only else args.families:  # a summary only reads
         _recover(args.state_dir, family, args.seed, records[family])
+        _recheck(args, family, records[family], revision, deadline)
     # round-robin over the families, so a budget cut leaves every family sampled
     while not args.summary_only:
         pending = [f for f in args.families if len(records[f]) < per_family]

@@ -147,3 +147,22 @@ def test_a_worker_killed_by_a_native_crash_is_restarted_and_moves_past_the_case(
     monkeypatch.setattr(subprocess, "run", run)
     fuzz._run_until_done(["--worker", "--families", "dyt"])
     assert len(calls) == 2 and calls[0] == calls[1]
+
+
+def test_recheck_runs_the_cases_with_those_verdicts_again_and_counts_their_new_verdict(
+    fuzz, monkeypatch, tmp_path, capsys
+):
+    ran = _recorder(fuzz, monkeypatch, {("dyt", 1): "wrong", ("dyt", 2): "upstream_wrong"})
+    args = ["--cases", "3", "--state-dir", str(tmp_path), "--families", "dyt"]
+    assert fuzz.main(args) == 1
+    ran.clear()
+    _recorder(fuzz, monkeypatch, {})  # the fix: every case is ok now
+    assert fuzz.main([*args, "--recheck", "wrong"]) == 0
+    assert "cases 3, wrong 0" in capsys.readouterr().out.splitlines()[-1]
+    recorded = fuzz._recorded(tmp_path / "dyt-seed0.jsonl")
+    assert [(r["index"], r["verdict"]) for r in recorded] == [
+        (0, "ok"),
+        (1, "ok"),
+        (2, "upstream_wrong"),
+    ]
+    assert recorded[1]["recheck"] and recorded[1]["rechecked_verdict"] == "wrong"
