@@ -190,8 +190,8 @@ class IntegerDyTFoldPass(ArmPass):
 
     def call(self, graph_module: GraphModule) -> PassResult:
         with tosa_int_context():
-            if reason := ensure_fake_values(graph_module):
-                record_declined(self.FOLD, graph_module.__class__.__name__, reason)
+            if (declined := ensure_fake_values(graph_module)) is not None:
+                record_declined(self.FOLD, graph_module.__class__.__name__, declined.reason)
                 return PassResult(graph_module, False)
             return self._fold(graph_module)
 

@@ -210,23 +210,23 @@ def _site(node: Node) -> _Site | None:
 # --- predicates -----------------------------------------------------------------
 
 
-def layout_is_one_permute(site: _Site) -> str | None:
+def layout_is_one_permute(site: _Site) -> Declined | None:
     permutes = sum(n.target in _PERMUTES for n in site.layout)
     views = sum(n.target in _VIEWS for n in site.layout)
     if permutes > 1 or len(site.layout) != permutes + views or site.channel_axis is None:
-        return (
+        return Declined(
             "ambiguous layout provenance: only one permute, and views keeping the channel "
             "axis whole, may sit between DyT and the conv or linear"
         )
     return None
 
 
-def affine_feeds_only_the_conv(site: _Site) -> str | None:
+def affine_feeds_only_the_conv(site: _Site) -> Declined | None:
     chain = [n for n in (site.mul, site.add) if n is not None]
     readers = [*chain[1:], *reversed(site.layout), site.conv.node]
     for node, reader in zip([*chain, *reversed(site.layout)], readers, strict=True):
         if set(node.users) != {reader}:
-            return "the DyT output (or its permute) has users other than the conv"
+            return Declined("the DyT output (or its permute) has users other than the conv")
     return None
 
 
@@ -240,7 +240,7 @@ def _vector(arg: object, channels: int, axis: int, rank: int) -> torch.Tensor | 
 
 def constants_are_channel_vectors(
     site: _Site, channels: int
-) -> tuple[torch.Tensor, torch.Tensor] | str:
+) -> tuple[torch.Tensor, torch.Tensor] | Declined:
     rank = _rank(site.output)
     gamma = (
         _vector(site.gamma_arg, channels, site.channel_axis, rank)
@@ -253,9 +253,9 @@ def constants_are_channel_vectors(
         else torch.zeros(channels, dtype=torch.float64)
     )
     if gamma is None or beta is None:
-        return "gamma/beta are not constants varying along the conv's channel axis only"
+        return Declined("gamma/beta are not constants varying along the conv's channel axis only")
     if not (torch.isfinite(gamma).all() and torch.isfinite(beta).all()):
-        return "gamma/beta hold NaN or Inf"
+        return Declined("gamma/beta hold NaN or Inf")
     return gamma, beta
 
 
@@ -265,14 +265,14 @@ def _read_channels(conv: _Conv) -> torch.Tensor:
     return group[:, None] * per_group + torch.arange(per_group)[None, :]
 
 
-def channels_line_up(site: _Site, channels: int) -> str | None:
+def channels_line_up(site: _Site, channels: int) -> Declined | None:
     out_channels, per_group = site.conv.weight.shape[:2]
     if per_group * site.conv.groups != channels or out_channels % site.conv.groups:
-        return "the conv's input channels do not line up with DyT's channels"
+        return Declined("the conv's input channels do not line up with DyT's channels")
     return None
 
 
-def gamma_spread_within_bound(site: _Site, gamma: torch.Tensor) -> str | None:
+def gamma_spread_within_bound(site: _Site, gamma: torch.Tensor) -> Declined | None:
     read = gamma.abs()[_read_channels(site.conv)]  # [O, I/g]
     weight = site.conv.weight
     used = (weight.abs().reshape(*weight.shape[:2], -1).sum(-1) > 0) & (read > 0)
@@ -282,7 +282,7 @@ def gamma_spread_within_bound(site: _Site, gamma: torch.Tensor) -> str | None:
     smallest = torch.where(used, read, torch.full_like(read, math.inf)).amin(dim=1)
     spread = float((largest / smallest)[used.any(dim=1)].max().detach())
     if spread > MAX_GAMMA_SPREAD:
-        return (
+        return Declined(
             f"gamma spread {spread:.3g} across the input channels of one output channel exceeds "
             f"{MAX_GAMMA_SPREAD:g}: per-channel int8 weights would lose precision"
         )
@@ -291,15 +291,19 @@ def gamma_spread_within_bound(site: _Site, gamma: torch.Tensor) -> str | None:
 
 def padded_beta_can_stay(
     site: _Site, gamma: torch.Tensor, beta: torch.Tensor
-) -> torch.Tensor | str | None:
+) -> torch.Tensor | Declined | None:
     """None when unpadded; else beta / gamma (0 where both are 0), or why it cannot stay."""
     if not any(site.conv.padding) or not bool((beta != 0).any()):
         return None
     if bool(((gamma == 0) & (beta != 0)).any()):
-        return "padded conv: beta cannot stay before the conv on a channel whose gamma is 0"
+        return Declined(
+            "padded conv: beta cannot stay before the conv on a channel whose gamma is 0"
+        )
     shifted = torch.where(gamma == 0, torch.zeros_like(beta), beta / gamma)
     if float(shifted.abs().max()) > MAX_SHIFT:
-        return f"padded conv: |beta / gamma| up to {float(shifted.abs().max()):.3g} exceeds {MAX_SHIFT:g}"
+        return Declined(
+            f"padded conv: |beta / gamma| up to {float(shifted.abs().max()):.3g} exceeds {MAX_SHIFT:g}"
+        )
     return shifted
 
 
@@ -316,23 +320,23 @@ def match_float_affine(node: Node) -> FloatAffineMatch | Declined | None:
     if site is None:
         return None
     for predicate in (layout_is_one_permute, affine_feeds_only_the_conv):
-        if reason := predicate(site):
-            return Declined(reason)
+        if (declined := predicate(site)) is not None:
+            return declined
     value = site.output.meta.get("val")
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         return Declined("the DyT output is not a tensor of known shape")
     channels = int(value.shape[site.channel_axis])
-    if reason := channels_line_up(site, channels):
-        return Declined(reason)
+    if (declined := channels_line_up(site, channels)) is not None:
+        return declined
     vectors = constants_are_channel_vectors(site, channels)
-    if isinstance(vectors, str):
-        return Declined(vectors)
+    if isinstance(vectors, Declined):
+        return vectors
     gamma, beta = vectors
-    if reason := gamma_spread_within_bound(site, gamma):
-        return Declined(reason)
+    if (declined := gamma_spread_within_bound(site, gamma)) is not None:
+        return declined
     shifted = padded_beta_can_stay(site, gamma, beta)
-    if isinstance(shifted, str):
-        return Declined(shifted)
+    if isinstance(shifted, Declined):
+        return shifted
     conv = site.conv
     read = _read_channels(conv)
     weight64 = conv.weight.to(torch.float64)
@@ -418,8 +422,8 @@ class FoldDyTAffineIntoConvFloatPass(ArmPass):
             for n in graph_module.graph.nodes
             if n.op == "call_function" and n.target in (*_CONVS, *_LINEARS)
         ]
-        if layers and (reason := ensure_fake_values(graph_module)):
-            record_declined(FOLD, layers[0].name, reason)
+        if layers and (declined := ensure_fake_values(graph_module)) is not None:
+            record_declined(FOLD, layers[0].name, declined.reason)
             return PassResult(graph_module, False)
         modified = False
         for node in layers:

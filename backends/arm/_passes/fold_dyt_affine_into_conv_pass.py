@@ -217,97 +217,103 @@ def _site(exported_program: ExportedProgram, conv: Node) -> _Site | None:
     return _Site(conv, layout, output, table, steps)
 
 
-# --- predicates: each answers a reason, or None when it holds -------------------
+# --- predicates: each answers Declined(reason), or None when it holds -------------------
 
 
-def conv_is_plain(site: _Site) -> str | None:
+def conv_is_plain(site: _Site) -> Declined | None:
     if bool(site.conv.args[6]):
-        return "the conv is transposed"
+        return Declined("the conv is transposed")
     if not isinstance(site.conv.args[8], int) or site.conv.args[8] < 1:
-        return "the conv's groups are not a constant integer"
+        return Declined("the conv's groups are not a constant integer")
     return None
 
 
-def alpha_is_in_the_table(site: _Site) -> str | None:
+def alpha_is_in_the_table(site: _Site) -> Declined | None:
     """Proven (and tested against the reference model) only once alpha is in the TABLE:
     with the alpha multiply still feeding it, the rewrite has produced convs whose input
     channels the reference model rejects, so it fails closed there."""
     source = site.table.args[0]
     if rescale_of(source) is not None and getattr(source.args[0], "target", None) == MUL:
-        return "alpha is still a multiply before the TABLE (not folded into it)"
+        return Declined("alpha is still a multiply before the TABLE (not folded into it)")
     return None
 
 
-def layout_keeps_the_channel_axis(site: _Site) -> str | None:
+def layout_keeps_the_channel_axis(site: _Site) -> Declined | None:
     if site.layout.chain_axis is None:
-        return "unsupported layout: a view between the affine and the conv splits or merges its channel axis"
+        return Declined(
+            "unsupported layout: a view between the affine and the conv splits or merges its channel axis"
+        )
     return None
 
 
-def layout_is_unambiguous(site: _Site) -> str | None:
+def layout_is_unambiguous(site: _Site) -> Declined | None:
     if site.layout.permutes > 1 or site.layout.slices > 1:
-        return (
+        return Declined(
             f"ambiguous layout provenance: {site.layout.permutes} permutes and {site.layout.slices} slices "
             "between the affine and the conv (at most one of each)"
         )
     return None
 
 
-def layout_is_exclusive(site: _Site) -> str | None:
+def layout_is_exclusive(site: _Site) -> Declined | None:
     """The conv's permute/slice must serve only it: they will carry TABLE codes."""
     readers = [site.conv, *site.layout.nodes][: len(site.layout.nodes)]
     for node, reader in zip(site.layout.nodes, readers, strict=True):
         if set(node.users) != {reader}:
-            return "the conv input is shared: its permute/slice has other users"
+            return Declined("the conv input is shared: its permute/slice has other users")
     return None
 
 
-def table_is_int8_constant(exported_program: ExportedProgram, site: _Site) -> str | None:
+def table_is_int8_constant(exported_program: ExportedProgram, site: _Site) -> Declined | None:
     values = constant_of(exported_program, site.table.args[1]) if len(site.table.args) > 1 else None
     if values is None or values.dtype != torch.int8 or values.numel() != 256:
-        return "unsupported constant: the TABLE values are not a 256-entry int8 constant"
+        return Declined("unsupported constant: the TABLE values are not a 256-entry int8 constant")
     return None
 
 
-def quantization_lines_up(site: _Site) -> str | None:
+def quantization_lines_up(site: _Site) -> Declined | None:
     table_qargs = single_qargs(site.table, "output_qparams")
     first = site.steps[0]
     if table_qargs is None or table_qargs.dtype != torch.int8:
-        return "quantization metadata mismatch: the TABLE output is not int8 per-tensor"
+        return Declined("quantization metadata mismatch: the TABLE output is not int8 per-tensor")
     if first.rescale is None or first.rescale.input_zp != table_qargs.get_zp_per_tensor():
-        return "quantization metadata mismatch: the TABLE zero point is not the chain's input zero point"
+        return Declined(
+            "quantization metadata mismatch: the TABLE zero point is not the chain's input zero point"
+        )
     final = site.steps[-1].rescale
     if final is None or final.output_dtype != torch.int8:
-        return "quantization metadata mismatch: the affine output is not an int8 RESCALE"
+        return Declined("quantization metadata mismatch: the affine output is not an int8 RESCALE")
     conv_in = (site.conv.meta.get("input_qparams") or {}).get(0)
     weight_q = (site.conv.meta.get("input_qparams") or {}).get(1)
     if not isinstance(conv_in, QuantArgs) or conv_in.per_channel or conv_in.dtype != torch.int8:
-        return "quantization metadata mismatch: the conv input is not int8 per-tensor"
+        return Declined("quantization metadata mismatch: the conv input is not int8 per-tensor")
     if not isinstance(weight_q, QuantArgs) or weight_q.dtype != torch.int8:
-        return "quantization metadata mismatch: the conv weight is not int8"
+        return Declined("quantization metadata mismatch: the conv weight is not int8")
     if weight_q.per_channel and weight_q.axis != 0:
-        return "quantization metadata mismatch: the conv weight is not quantized per output channel"
+        return Declined(
+            "quantization metadata mismatch: the conv weight is not quantized per output channel"
+        )
     return None
 
 
-def conv_zero_point_matches(site: _Site) -> str | None:
+def conv_zero_point_matches(site: _Site) -> Declined | None:
     conv_in = site.conv.meta["input_qparams"][0]
     if conv_in.get_zp_per_tensor() != site.steps[-1].rescale.output_zp:
-        return (
+        return Declined(
             f"conv input zero point {conv_in.get_zp_per_tensor()} differs from the affine output "
             f"zero point {site.steps[-1].rescale.output_zp}"
         )
     return None
 
 
-def table_shape_is_conv_shape(site: _Site) -> str | None:
+def table_shape_is_conv_shape(site: _Site) -> Declined | None:
     table_shape, output_shape = shape_of(site.table), shape_of(site.output)
     if table_shape is None or table_shape != output_shape:
-        return "unsupported layout: the TABLE output is broadcast by the affine"
+        return Declined("unsupported layout: the TABLE output is broadcast by the affine")
     return None
 
 
-def constants_broadcast_along_channels(site: _Site, channels: int) -> list[torch.Tensor] | str:
+def constants_broadcast_along_channels(site: _Site, channels: int) -> list[torch.Tensor] | Declined:
     vectors = []
     for step in site.steps:
         if step.op is None:
@@ -315,7 +321,9 @@ def constants_broadcast_along_channels(site: _Site, channels: int) -> list[torch
         rank = len(shape_of(site.table))
         vector = channel_vector(step.constant, rank, site.layout.chain_axis, channels)
         if vector is None:
-            return "unsupported layout: a gamma/beta constant varies along a non-channel axis"
+            return Declined(
+                "unsupported layout: a gamma/beta constant varies along a non-channel axis"
+            )
         vectors.append(vector)
     return vectors
 
@@ -331,7 +339,7 @@ class _Evaluation:
 
 def evaluate_chain(
     site: _Site, table_values: torch.Tensor, vectors: list[torch.Tensor], channels: int
-) -> _Evaluation | str:
+) -> _Evaluation | Declined:
     """Run the chain on every code the TABLE emits, per channel, as TOSA would."""
     codes = torch.unique(table_values.to(torch.int64))
     values = codes[:, None].expand(-1, channels)
@@ -341,7 +349,7 @@ def evaluate_chain(
     for index, step in enumerate(site.steps):
         if step.rescale is not None:
             if not step.rescale.in_range(values):
-                return (
+                return Declined(
                     "saturating map: a RESCALE input or result leaves the int32 range TOSA requires"
                 )
             low, high = (
@@ -356,31 +364,31 @@ def evaluate_chain(
             vector = next(vector_iter)[None, :]
             values = values * vector if step.op == MUL else values + vector
             if not fits_int32(values):
-                return "saturating map: the int32 gamma/beta arithmetic overflows"
+                return Declined("saturating map: the int32 gamma/beta arithmetic overflows")
     return _Evaluation(codes, tuple(boundaries), clamped)
 
 
 def map_is_exactly_affine(
     site: _Site, evaluation: _Evaluation, read: torch.Tensor
-) -> AffineFit | str:
+) -> AffineFit | Declined:
     z_t = site.steps[0].rescale.input_zp
     z_y = site.steps[-1].rescale.output_zp
     fit = fit_exact_integer_affine(evaluation.codes - z_t, evaluation.boundaries[-1][1] - z_y)
     bad = (~fit.exact[read]).nonzero().reshape(-1)
     if bad.numel():
         why = "saturating" if evaluation.clamped else "nonlinear"
-        return (
+        return Declined(
             f"{why} map: TABLE code -> conv input code is not exactly affine on the "
             f"{evaluation.codes.numel()} codes the TABLE emits ({bad.numel()} of {read.numel()} channels)"
         )
     return fit
 
 
-def padding_keeps_one_bias(site: _Site, fit: AffineFit, read: torch.Tensor) -> str | None:
+def padding_keeps_one_bias(site: _Site, fit: AffineFit, read: torch.Tensor) -> Declined | None:
     padding = site.conv.args[4]
     padded = not isinstance(padding, (list, tuple)) or any(p != 0 for p in padding)
     if padded and bool((fit.offsets[read] != 0).any()):
-        return "padded conv: beta's contribution at the border is not one bias"
+        return Declined("padded conv: beta's contribution at the border is not one bias")
     return None
 
 
@@ -395,20 +403,22 @@ class _Conv:
 
 def conv_constants_supported(
     exported_program: ExportedProgram, site: _Site, channels: int
-) -> _Conv | str:
+) -> _Conv | Declined:
     weight_node, bias_node = site.conv.args[1], site.conv.args[2]
     weight = constant_of(exported_program, weight_node)
     bias = constant_of(exported_program, bias_node)
     if weight is None or weight.dtype != torch.int8 or weight.dim() != 4:
-        return "unsupported constant: the conv weight is not a constant int8 4-D tensor"
+        return Declined("unsupported constant: the conv weight is not a constant int8 4-D tensor")
     if bias is None or bias.dtype != torch.int32 or bias.shape != (weight.shape[0],):
-        return "unsupported constant: the conv bias is not a constant int32 vector"
+        return Declined("unsupported constant: the conv bias is not a constant int32 vector")
     groups = site.conv.args[8]
     out_channels, per_group = weight.shape[0], weight.shape[1]
     conv_in_channels = per_group * groups
     available = channels if site.layout.channel_index is None else site.layout.channel_index.numel()
     if out_channels % groups or conv_in_channels != available:
-        return "unsupported layout: the conv's input channels do not line up with the affine's channels"
+        return Declined(
+            "unsupported layout: the conv's input channels do not line up with the affine's channels"
+        )
     group_of_output = torch.arange(out_channels) // (out_channels // groups)
     conv_channels = group_of_output[:, None] * per_group + torch.arange(per_group)[None, :]
     chain_channels = (
@@ -430,7 +440,7 @@ def _weight_zero_points(site: _Site, out_channels: int) -> torch.Tensor:
 
 def folded_constants_fit(
     site: _Site, conv: _Conv, fit: AffineFit
-) -> tuple[torch.Tensor, torch.Tensor] | str:
+) -> tuple[torch.Tensor, torch.Tensor] | Declined:
     weight_q = site.conv.meta["input_qparams"][1]
     zero = _weight_zero_points(site, conv.weight.shape[0])
     centered = conv.weight.to(torch.int64) - zero
@@ -438,10 +448,12 @@ def folded_constants_fit(
     offsets = fit.offsets[conv.global_channels][:, :, None, None]
     weight = centered * slopes + zero
     if int(weight.min()) < weight_q.qmin or int(weight.max()) > weight_q.qmax:
-        return f"folded int8 weights leave [{weight_q.qmin}, {weight_q.qmax}] (slopes up to {int(fit.slopes.abs().max())})"
+        return Declined(
+            f"folded int8 weights leave [{weight_q.qmin}, {weight_q.qmax}] (slopes up to {int(fit.slopes.abs().max())})"
+        )
     bias = conv.bias.to(torch.int64) + (centered * offsets).sum(dim=(1, 2, 3))
     if int(bias.min()) < INT32_MIN or int(bias.max()) > INT32_MAX:
-        return "the folded int32 bias overflows"
+        return Declined("the folded int32 bias overflows")
     return weight.to(torch.int8), bias.to(torch.int32)
 
 
@@ -518,49 +530,49 @@ def match_affine_into_conv(
     if site is None:
         return None
     for predicate in (conv_is_plain, alpha_is_in_the_table, quantization_lines_up):
-        if reason := predicate(site):
-            return Declined(reason)
-    if reason := table_is_int8_constant(exported_program, site):
-        return Declined(reason)
+        if (declined := predicate(site)) is not None:
+            return declined
+    if (declined := table_is_int8_constant(exported_program, site)) is not None:
+        return declined
     for predicate in (table_shape_is_conv_shape, layout_keeps_the_channel_axis):
-        if reason := predicate(site):
-            return Declined(reason)
+        if (declined := predicate(site)) is not None:
+            return declined
     channels = shape_of(site.table)[site.layout.chain_axis]
     vectors = constants_broadcast_along_channels(site, channels)
-    if isinstance(vectors, str):
-        return Declined(vectors)
+    if isinstance(vectors, Declined):
+        return vectors
     table_values = constant_of(exported_program, site.table.args[1])
     evaluation = evaluate_chain(site, table_values, vectors, channels)
-    if isinstance(evaluation, str):
-        return Declined(evaluation)
+    if isinstance(evaluation, Declined):
+        return evaluation
     identity = _identity_match(site, evaluation)
     if identity is not None and identity.prefix_end is site.output:
         return identity
     folded = _fold_into_conv(exported_program, site, evaluation, channels)
-    if isinstance(folded, str):
-        return Declined(folded) if identity is None else replace(identity, reason_kept=folded)
+    if isinstance(folded, Declined):
+        return folded if identity is None else replace(identity, reason_kept=folded.reason)
     return folded
 
 
 def _fold_into_conv(
     exported_program: ExportedProgram, site: _Site, evaluation: _Evaluation, channels: int
-) -> AffineIntoConvMatch | str:
+) -> AffineIntoConvMatch | Declined:
     """The whole chain into the conv's weight and bias, or why not (the layout and
     the conv's constants matter only here)."""
     for predicate in (layout_is_unambiguous, layout_is_exclusive, conv_zero_point_matches):
-        if reason := predicate(site):
-            return reason
+        if (declined := predicate(site)) is not None:
+            return declined
     conv_constants = conv_constants_supported(exported_program, site, channels)
-    if isinstance(conv_constants, str):
+    if isinstance(conv_constants, Declined):
         return conv_constants
     read = torch.unique(conv_constants.global_channels)
     fit = map_is_exactly_affine(site, evaluation, read)
-    if isinstance(fit, str):
+    if isinstance(fit, Declined):
         return fit
-    if reason := padding_keeps_one_bias(site, fit, read):
-        return reason
+    if (declined := padding_keeps_one_bias(site, fit, read)) is not None:
+        return declined
     folded = folded_constants_fit(site, conv_constants, fit)
-    if isinstance(folded, str):
+    if isinstance(folded, Declined):
         return folded
     weight, bias = folded
     return AffineIntoConvMatch(

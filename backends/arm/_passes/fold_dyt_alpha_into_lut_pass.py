@@ -98,51 +98,55 @@ def _site(tanh: Node) -> _Site | None:
     return _Site(tanh, requantize, mul)
 
 
-# --- predicates: each answers a reason, or None when it holds -----------------
+# --- predicates: each answers Declined(reason), or None when it holds -----------------
 
 
-def tanh_is_int8_per_tensor(site: _Site) -> str | None:
+def tanh_is_int8_per_tensor(site: _Site) -> Declined | None:
     for key in ("input_qparams", "output_qparams"):
         qargs = single_qargs(site.tanh, key)
         if qargs is None or qargs.dtype != torch.int8:
-            return f"tanh {key} are not one int8 per-tensor quantization"
+            return Declined(f"tanh {key} are not one int8 per-tensor quantization")
     return None
 
 
-def product_feeds_only_tanh(site: _Site) -> str | None:
+def product_feeds_only_tanh(site: _Site) -> Declined | None:
     if len(site.mul.users) != 1 or len(site.requantize.users) != 1:
-        return "the alpha product has users other than the tanh"
+        return Declined("the alpha product has users other than the tanh")
     return None
 
 
-def requantize_matches_tanh_input(site: _Site) -> str | None:
+def requantize_matches_tanh_input(site: _Site) -> Declined | None:
     rescale = rescale_of(site.requantize)
     tanh_in = single_qargs(site.tanh, "input_qparams")
     if rescale.output_dtype != torch.int8 or rescale.output_zp != tanh_in.get_zp_per_tensor():
-        return (
+        return Declined(
             "quantization metadata mismatch: the requantized product is not the tanh's int8 input"
         )
     return None
 
 
-def alpha_is_scalar_constant(alpha: Int32Constant | None) -> str | None:
+def alpha_is_scalar_constant(alpha: Int32Constant | None) -> Declined | None:
     if alpha is None or alpha.values.numel() != 1:
-        return "no operand of the multiply is a scalar int8 constant (alpha)"
+        return Declined("no operand of the multiply is a scalar int8 constant (alpha)")
     return None
 
 
-def activation_is_int8_rescale(activation_operand: Node) -> str | None:
+def activation_is_int8_rescale(activation_operand: Node) -> Declined | None:
     rescale = rescale_of(activation_operand)
     if rescale is None or rescale.output_dtype != torch.int32:
-        return "the activation operand is not a plain int8->int32 RESCALE (reshaped or unquantized)"
+        return Declined(
+            "the activation operand is not a plain int8->int32 RESCALE (reshaped or unquantized)"
+        )
     source = activation_operand.args[0]
     value = source.meta.get("val")
     if not isinstance(value, torch.Tensor) or value.dtype != torch.int8:
-        return "the activation feeding the multiply is not int8"
+        return Declined("the activation feeding the multiply is not int8")
     return None
 
 
-def activation_qargs_agree(site: _Site, activation_operand: Node, index: int) -> QuantArgs | str:
+def activation_qargs_agree(
+    site: _Site, activation_operand: Node, index: int
+) -> QuantArgs | Declined:
     """The activation's int8 quantization, reconstructed from the MUL's int32 input scale."""
     int32_qargs = (site.mul.meta.get("input_qparams") or {}).get(index)
     if (
@@ -150,7 +154,9 @@ def activation_qargs_agree(site: _Site, activation_operand: Node, index: int) ->
         or int32_qargs.per_channel
         or int32_qargs.dtype != torch.int32
     ):
-        return "quantization metadata mismatch: the multiply has no int32 input quantization"
+        return Declined(
+            "quantization metadata mismatch: the multiply has no int32 input quantization"
+        )
     rescale = rescale_of(activation_operand)
     qargs = QuantArgs(
         scale=rescale.scale * int32_qargs.get_scale_per_tensor(),
@@ -163,25 +169,27 @@ def activation_qargs_agree(site: _Site, activation_operand: Node, index: int) ->
     if produced is not None and (
         produced.dtype != torch.int8 or produced.get_zp_per_tensor() != qargs.zp
     ):
-        return "quantization metadata mismatch: activation zero point disagrees with its producer"
+        return Declined(
+            "quantization metadata mismatch: activation zero point disagrees with its producer"
+        )
     return qargs
 
 
-def table_stays_fused_on_the_npu(activation_operand: Node) -> str | None:
+def table_stays_fused_on_the_npu(activation_operand: Node) -> Declined | None:
     target = ethos_u_target()
     if target is None:
         return None
     if len(activation_operand.args[0].users) != 1 or len(activation_operand.users) != 1:
-        return (
+        return Declined(
             f"on {target} the TABLE is free as the alpha multiply's fused activation; folded it "
             "would read an activation other ops also read (a residual) and run standalone"
         )
     return None
 
 
-def product_stays_in_int32(activation: Rescale, alpha: Int32Constant) -> str | None:
+def product_stays_in_int32(activation: Rescale, alpha: Int32Constant) -> Declined | None:
     if not fits_int32(activation.apply(_INT8_CODES) * int(alpha.values.reshape(()))):
-        return "the int32 alpha product overflows for some int8 input"
+        return Declined("the int32 alpha product overflows for some int8 input")
     return None
 
 
@@ -206,34 +214,31 @@ def match_alpha_into_table(
     site = _site(tanh)
     if site is None:
         return None
-    for reason in (
-        tanh_is_int8_per_tensor(site),
-        product_feeds_only_tanh(site),
-    ):
-        if reason:
-            return Declined(reason)
-    if reason := requantize_matches_tanh_input(site):
-        return Declined(reason)
+    for check in (tanh_is_int8_per_tensor, product_feeds_only_tanh, requantize_matches_tanh_input):
+        if (declined := check(site)) is not None:
+            return declined
     operands = [a for a in site.mul.args[:2] if isinstance(a, Node)]
     if len(operands) != 2:
         return Declined("the multiply does not take two tensor operands")
     constants = [int32_constant_operand(exported_program, a) for a in operands]
     scalar = [i for i, c in enumerate(constants) if c is not None and c.values.numel() == 1]
-    if reason := alpha_is_scalar_constant(constants[scalar[0]] if len(scalar) == 1 else None):
-        return Declined(reason)
+    if (
+        declined := alpha_is_scalar_constant(constants[scalar[0]] if len(scalar) == 1 else None)
+    ) is not None:
+        return declined
     alpha = constants[scalar[0]]
     activation_index = 1 - scalar[0]
     activation_operand = operands[activation_index]
-    if reason := activation_is_int8_rescale(activation_operand):
-        return Declined(reason)
-    if reason := table_stays_fused_on_the_npu(activation_operand):
-        return Declined(reason)
+    if (declined := activation_is_int8_rescale(activation_operand)) is not None:
+        return declined
+    if (declined := table_stays_fused_on_the_npu(activation_operand)) is not None:
+        return declined
     activation_qargs = activation_qargs_agree(site, activation_operand, activation_index)
-    if isinstance(activation_qargs, str):
-        return Declined(activation_qargs)
+    if isinstance(activation_qargs, Declined):
+        return activation_qargs
     activation_rescale = rescale_of(activation_operand)
-    if reason := product_stays_in_int32(activation_rescale, alpha):
-        return Declined(reason)
+    if (declined := product_stays_in_int32(activation_rescale, alpha)) is not None:
+        return declined
     table = _composed_table(site, activation_rescale, alpha, InsertTableOpsPass(exported_program))
     alpha_qargs = (site.mul.meta.get("input_qparams") or {}).get(scalar[0])
     alpha_value = (

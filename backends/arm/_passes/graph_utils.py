@@ -24,6 +24,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule, Node
 
+from etfold.decisions import Declined
 from etfold.exir.passes.graph_walk import ConstantSource, known_placeholder, written_arguments
 
 _WRITE_BACK_OUTPUTS = (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)
@@ -366,8 +367,8 @@ def axis_before_view(source: tuple[int, ...], result: tuple[int, ...], axis: int
     return None
 
 
-def ensure_fake_values(graph_module: GraphModule) -> str | None:
-    """Give every node a fake value (meta["val"]) if any lacks one; a reason if impossible.
+def ensure_fake_values(graph_module: GraphModule) -> Declined | None:
+    """Give every node a fake value (meta["val"]) if any lacks one; Declined if impossible.
 
     Matchers read shapes and dtypes from meta["val"]; a graph built by hand, or
     left by a pass that did not retrace, may carry them only on its placeholders.
@@ -381,7 +382,9 @@ def ensure_fake_values(graph_module: GraphModule) -> str | None:
     if not all(
         isinstance(v, torch.Tensor) and all(type(d) is int for d in v.shape) for v in values
     ):
-        return "no fake values to propagate: the graph's placeholders carry no static meta['val']"
+        return Declined(
+            "no fake values to propagate: the graph's placeholders carry no static meta['val']"
+        )
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -389,7 +392,7 @@ def ensure_fake_values(graph_module: GraphModule) -> str | None:
     try:
         FakeTensorProp(graph_module, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*inputs)
     except Exception as error:  # noqa: BLE001 - any failure means: decline, never guess shapes
-        return (
+        return Declined(
             f"could not propagate fake values through the graph ({type(error).__name__}: {error})"
         )
     return None
