@@ -12,9 +12,11 @@ oracles). CI runs the derandomized "ci" profile; tools/fuzz.py runs the long one
 """
 
 import fuzz_strategies as strategies
+import pytest
 from hypothesis import event, given, settings
 
 from etfold.harness.differential import failure_message, run_case
+from etfold.harness.generated import GemmLayer, WeightFoldCase
 
 
 @settings(settings.get_profile("ci"))
@@ -55,28 +57,43 @@ def test_a_conv_transpose_weight_also_read_by_other_ops_stays_right_where_stock_
     assert failure_message(case, outcome) is None
 
 
-def test_a_strided_conv1d_tied_to_itself_fails_in_stock_xnnpack_and_is_a_known_upstream_crash():
-    """Upstream's Conv1dUnsqueezePass raises when a second conv1d reads the same weight;
-    etfold fails the same way and the harness lists it as upstream's."""
-    from etfold.harness.differential import known_upstream
-    from etfold.harness.generated import GemmLayer, WeightFoldCase
-
-    case = WeightFoldCase(
+TIED_CONV1D_CASES = {
+    # a plain weight: stock's Conv1dUnsqueezePass unsqueezes it for the first conv1d and
+    # then fails on the second
+    "plain_conv1d": dict(
         seed=2507,
-        dims=1,
         in_channels=4,
         size=(4,),
         batch=2,
         layers=(GemmLayer("conv", 5, kernel=2, stride=2, activation="relu"),),
-        share="tied",
-        buffer="none",
         second_method=True,
-        dtype="float32",
-    )
+    ),
+    # a parametrized weight: stock leaves it dynamic; folded, it is one constant two
+    # conv_transpose1d read
+    "parametrized_conv_transpose1d": dict(
+        seed=3660,
+        in_channels=1,
+        size=(5,),
+        batch=1,
+        layers=(
+            GemmLayer("conv_transpose", 4, kernel=4, dilation=2, weight="user_elementwise"),
+            GemmLayer("linear", 4, bias=False, weight="user_matmul"),
+        ),
+        buffer="written_in_forward",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", TIED_CONV1D_CASES)
+def test_a_conv1d_weight_two_conv1ds_read_serves_one_of_them_in_the_delegate(name):
+    """XNNPACK unsqueezes a conv1d weight in place for the first conv1d reading it; the
+    second stays out of that delegate (recorded) instead of failing the lowering."""
+    case = WeightFoldCase(dims=1, share="tied", dtype="float32", **TIED_CONV1D_CASES[name])
     outcome = run_case(case)
-    assert outcome.verdict == "crash_both", outcome.detail
-    assert known_upstream(outcome.detail)
-    assert failure_message(case, outcome) is None
+    assert outcome.verdict == "ok", outcome.detail
+    assert outcome.etfold_error <= 1e-4
+    kept_out = [d for d in outcome.journal if d.fold == "xnnpack.constant_layout"]
+    assert any("unsqueezed to 2-D for" in d.detail for d in kept_out), outcome.decisions
 
 
 def test_a_buffer_updated_by_two_methods_is_judged_on_the_state_both_share():

@@ -16,7 +16,9 @@ bias as fp32. Every later reader in the same delegate gets that same value id,
 so an elementwise op that reads a conv weight sees permuted data, or the conv
 sees a plain one: a wrong program, with no error. Readers of one constant that
 need different forms must not share a delegate; the readers whose form differs
-from the first GEMM's are kept out of the partition.
+from the first GEMM's are kept out of the partition. A conv1d weight serves one
+conv only: XNNPACK unsqueezes it to 4-D in place for the first conv1d that
+reads it, and a second conv1d would then read a 4-D weight with a 3-D input.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ def serialized_form(reader: torch.fx.Node, value: torch.fx.Node) -> str:
                 swap = f" with in/out swapped over {int(args[8])} groups"
             else:
                 swap = " with in/out swapped" if depthwise else ""
+            if value.meta["val"].dim() == 3:  # unsqueezed in place to 4-D for this conv alone
+                swap += f", unsqueezed to 2-D for `{reader.name}`"
             return _as_fp32(value, f"as an NHWC conv weight{swap}")
         if len(args) > 2 and args[2] is value:
             return _as_fp32(value, PLAIN)
