@@ -4,8 +4,12 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""One driver for node-local passes on an ExportedProgram: match every node,
-then rewrite a working copy only when something matched.
+"""One driver for node-local passes: match every node, record each decline,
+rewrite each match.
+
+On an ExportedProgram (`rewrite_matches_on_a_copy`), a working copy is rewritten
+only when something matched. On a graph module a backend pass manager owns
+(`rewrite_each_match`), each match is rewritten in place as it is found.
 
 The program handed in may be the user's (upstream passes the user's program to
 `transform_for_pre_decomposition`), so it is never rewritten: when a match is
@@ -15,13 +19,13 @@ returned. Declines are recorded once, from the first scan.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import torch
 from torch.export import ExportedProgram
 
-from etfold.decisions import Declined, record_declined
+from etfold.decisions import Declined, record_applied, record_declined
 from etfold.exir.program.working_copy import copy_for_rewrite
 
 Match = TypeVar("Match")
@@ -58,3 +62,27 @@ def rewrite_matches_on_a_copy(
         rewrite(found)
     program.graph_module.recompile()
     return program
+
+
+def rewrite_each_match(
+    nodes: Iterable[torch.fx.Node],
+    match: Callable[[torch.fx.Node], Match | Declined | None],
+    rewrite: Callable[[Match], str],
+    fold: str,
+    where: Callable[[torch.fx.Node], str] = lambda node: node.name,
+) -> bool:
+    """Match each node in order and rewrite each match at once, so a later match sees
+    the graph earlier rewrites left; `rewrite` returns the detail recorded as applied.
+    True when anything was rewritten: the caller recompiles (and retraces) once."""
+    modified = False
+    for node in nodes:
+        found = match(node)
+        if found is None:
+            continue
+        if isinstance(found, Declined):
+            record_declined(fold, where(node), found.reason)
+            continue
+        place = where(node)
+        record_applied(fold, place, rewrite(found))
+        modified = True
+    return modified

@@ -15,6 +15,7 @@ touching the graph; anything unexpected answers None and the caller declines.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,7 +39,8 @@ from etfold.backends.arm._passes.graph_utils import (
     ensure_fake_values,
 )
 from etfold.backends.arm._passes.tosa_integer import Rescale
-from etfold.decisions import Declined, record_applied, record_declined
+from etfold.decisions import record_declined
+from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
 
 RESCALE = exir_ops.backend.tosa.RESCALE.default
 TABLE = exir_ops.backend.tosa.TABLE.default
@@ -196,16 +198,9 @@ class IntegerDyTFoldPass(ArmPass):
             return self._fold(graph_module)
 
     def _fold(self, graph_module: GraphModule) -> PassResult:
-        modified = False
-        for node in list(graph_module.graph.nodes):
-            match = self.match(node)
-            if match is None:
-                continue
-            if isinstance(match, Declined):
-                record_declined(self.FOLD, node.name, match.reason)
-                continue
-            record_applied(self.FOLD, node.name, self.rewrite(graph_module, match))
-            modified = True
+        nodes = list(graph_module.graph.nodes)
+        rewrite = functools.partial(self.rewrite, graph_module)
+        modified = rewrite_each_match(nodes, self.match, rewrite, self.FOLD)
         if modified:
             graph_module.graph.lint()
             graph_module.recompile()

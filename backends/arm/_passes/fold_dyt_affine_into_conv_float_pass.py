@@ -47,12 +47,14 @@ from etfold.backends.arm._passes.graph_utils import (
     axis_before_layout_op,
     channel_vector,
     constant_tensor,
+    conv_input_channels,
     create_constant,
     delete_constant_if_unused,
     ensure_fake_values,
     fresh_constant_name,
 )
-from etfold.decisions import Declined, record_applied, record_declined
+from etfold.decisions import Declined, record_declined
+from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
 
 FOLD = "arm.dyt_affine_into_conv_float"
 
@@ -261,8 +263,7 @@ def constants_are_channel_vectors(
 
 def _read_channels(conv: _Conv) -> torch.Tensor:
     out_channels, per_group = conv.weight.shape[:2]
-    group = torch.arange(out_channels) // (out_channels // conv.groups)
-    return group[:, None] * per_group + torch.arange(per_group)[None, :]
+    return conv_input_channels(out_channels, per_group, conv.groups)
 
 
 def channels_line_up(site: _Site, channels: int) -> Declined | None:
@@ -425,24 +426,15 @@ class FoldDyTAffineIntoConvFloatPass(ArmPass):
         if layers and (declined := ensure_fake_values(graph_module)) is not None:
             record_declined(FOLD, layers[0].name, declined.reason)
             return PassResult(graph_module, False)
-        modified = False
-        for node in layers:
-            if not self.allowed_to_transform(node.meta):
-                continue
-            match = match_float_affine(node)
-            if match is None:
-                continue
-            if isinstance(match, Declined):
-                record_declined(FOLD, node.name, match.reason)
-                continue
+
+        def rewrite(match: FloatAffineMatch) -> str:
             rewrite_float_affine(graph_module, match)
-            kept = (
-                "beta kept as beta/gamma before the padded conv"
-                if match.shifted_beta is not None
-                else "beta into the bias"
-            )
-            record_applied(FOLD, node.name, f"gamma into the conv weight, {kept}")
-            modified = True
+            if match.shifted_beta is not None:
+                return "gamma into the conv weight, beta kept as beta/gamma before the padded conv"
+            return "gamma into the conv weight, beta into the bias"
+
+        allowed = [node for node in layers if self.allowed_to_transform(node.meta)]
+        modified = rewrite_each_match(allowed, match_float_affine, rewrite, FOLD)
         if modified:
             graph_module.graph.lint()
             graph_module.recompile()

@@ -63,6 +63,7 @@ from etfold.backends.arm._passes.dyt_match import (
 from etfold.backends.arm._passes.graph_utils import (
     axis_before_layout_op,
     channel_vector,
+    conv_input_channels,
     create_constant,
     fresh_constant_name,
     tensor_digest,
@@ -419,8 +420,7 @@ def conv_constants_supported(
         return Declined(
             "unsupported layout: the conv's input channels do not line up with the affine's channels"
         )
-    group_of_output = torch.arange(out_channels) // (out_channels // groups)
-    conv_channels = group_of_output[:, None] * per_group + torch.arange(per_group)[None, :]
+    conv_channels = conv_input_channels(out_channels, per_group, groups)
     chain_channels = (
         conv_channels
         if site.layout.channel_index is None

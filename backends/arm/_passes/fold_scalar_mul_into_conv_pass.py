@@ -57,7 +57,8 @@ from etfold.backends.arm._passes.graph_utils import (
     is_layout,
     tensor_digest,
 )
-from etfold.decisions import Declined, record_applied, record_declined
+from etfold.decisions import Declined
+from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
 
 FOLD = "arm.scalar_mul_into_conv"
 
@@ -513,18 +514,13 @@ class FoldScalarMulIntoConvPass(ArmPass):
             return PassResult(graph_module, False)
         region = carried_region(graph_module, program)
         pipeline = "annotation" if self.is_tfa_pass else "backend"
-        modified = False
-        for mul in muls:
-            found = self.match(mul, region, program)
-            if found is None:
-                continue
-            where = f"{pipeline}:{layer_operand(mul)[0].name}"
-            if isinstance(found, Declined):
-                record_declined(FOLD, where, found.reason)
-                continue
-            detail = self.rewrite(graph_module, program, found)
-            record_applied(FOLD, where, detail)
-            modified = True
+        modified = rewrite_each_match(
+            muls,
+            lambda mul: self.match(mul, region, program),
+            lambda found: self.rewrite(graph_module, program, found),
+            FOLD,
+            where=lambda mul: f"{pipeline}:{layer_operand(mul)[0].name}",
+        )
         if modified:
             graph.lint()
             graph_module.recompile()

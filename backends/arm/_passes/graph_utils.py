@@ -414,6 +414,13 @@ def channel_vector(
     return values.reshape(-1).expand(channels) if values.numel() == 1 else values.reshape(channels)
 
 
+def conv_input_channels(out_channels: int, per_group: int, groups: int) -> torch.Tensor:
+    """[out_channels, per_group]: the input channel that weight[o, i] of a grouped conv
+    (not transposed) reads."""
+    group_of_output = torch.arange(out_channels) // (out_channels // groups)
+    return group_of_output[:, None] * per_group + torch.arange(per_group)[None, :]
+
+
 _PERMUTE_TARGETS = frozenset(
     {
         _aten.permute.default,

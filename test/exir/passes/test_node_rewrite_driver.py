@@ -1,0 +1,77 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""The one node-rewrite driver: every decision recorded, each match rewritten in order."""
+
+import operator
+
+import torch
+
+from etfold.decisions import Declined, collect_decisions
+from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
+
+
+class MulChain(torch.nn.Module):
+    def forward(self, x):
+        return ((x * 1.0) * 2.0) * 1.0
+
+
+def _multiplies(graph_module):
+    return [n for n in graph_module.graph.nodes if n.target is operator.mul]
+
+
+def _match_times_one(node):
+    if node.args[1] == 1.0:
+        return node
+    return Declined(f"{node.name} multiplies by {node.args[1]}")
+
+
+def _drop(node):
+    node.replace_all_uses_with(node.args[0])
+    node.graph.erase_node(node)
+    return f"{node.name} was a multiply by one"
+
+
+def test_each_match_is_rewritten_and_each_decision_recorded_where_the_caller_says():
+    graph_module = torch.fx.symbolic_trace(MulChain())
+    with collect_decisions() as decisions:
+        modified = rewrite_each_match(
+            _multiplies(graph_module),
+            _match_times_one,
+            _drop,
+            "test.fold",
+            where=lambda n: n.name.upper(),
+        )
+    graph_module.recompile()
+    assert modified
+    assert [n.args[1] for n in _multiplies(graph_module)] == [2.0]
+    assert [(d.applied, d.where) for d in decisions] == [
+        (True, "MUL"),
+        (False, "MUL_1"),
+        (True, "MUL_2"),
+    ]
+    x = torch.randn(3)
+    torch.testing.assert_close(graph_module(x), x * 2.0)
+
+
+def test_a_later_match_sees_the_graph_earlier_rewrites_left():
+    graph_module = torch.fx.symbolic_trace(MulChain())
+    seen = []
+
+    def match(node):
+        seen.append(node.args[0].name)
+        return node if node.args[1] == 1.0 else None
+
+    rewrite_each_match(_multiplies(graph_module), match, _drop, "test.fold")
+    assert seen == ["x", "x", "mul_1"]
+
+
+def test_nothing_matched_leaves_the_graph_and_says_so():
+    graph_module = torch.fx.symbolic_trace(MulChain())
+    before = str(graph_module.graph)
+    with collect_decisions() as decisions:
+        modified = rewrite_each_match(_multiplies(graph_module), lambda n: None, _drop, "test.fold")
+    assert not modified and not decisions and str(graph_module.graph) == before
