@@ -116,3 +116,25 @@ def test_a_buffer_updated_by_two_methods_is_judged_on_the_state_both_share():
     outcome = run_case(case)
     assert outcome.verdict == "ok", outcome.detail
     assert outcome.etfold_error <= 1e-5 and outcome.baseline_error <= 1e-5
+
+
+def test_a_method_returning_the_buffer_it_updates_lowers_where_stock_fails():
+    """`update` returns a clone of the buffer it writes; stock XNNPACK drops the clone
+    inside the delegate, returns one value twice and fails to lower. etfold keeps that
+    clone outside (recorded) and the rollout over forward/update calls matches eager."""
+    case = WeightFoldCase(
+        seed=536,
+        dims=1,
+        in_channels=3,
+        size=(6,),
+        batch=2,
+        layers=(GemmLayer("conv", 4, kernel=3, weight="weight_norm", activation="relu"),),
+        share="none",
+        buffer="written_by_other_method",
+        dtype="float32",
+    )
+    outcome = run_case(case)
+    assert outcome.verdict == "ok", outcome.detail
+    assert outcome.baseline_error is None and outcome.etfold_error <= 1e-5
+    kept_out = [d for d in outcome.journal if d.fold == "xnnpack.repeated_output"]
+    assert kept_out and not kept_out[0].applied

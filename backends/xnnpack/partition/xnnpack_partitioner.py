@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextvars
 
+import torch
 from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
     XnnpackPartitioner as UpstreamXnnpackPartitioner,
 )
 from executorch.exir.backend.partitioner import DelegationSpec, PartitionResult
+from executorch.exir.dialects._ops import ops as exir_ops
 from executorch.exir.program._program import _default_decomposition_table
 from torch.export import ExportedProgram
 
@@ -53,6 +55,7 @@ from etfold.decisions import record_declined
 from etfold.exir.passes.inline_autocast_regions_pass import inline_autocast_regions
 
 LAYOUT_FOLD = "xnnpack.constant_layout"
+REPEATED_OUTPUT_FOLD = "xnnpack.repeated_output"
 # readers kept out of partitions while one generate_partitions call re-draws them
 _KEPT_OUT: contextvars.ContextVar[frozenset | set] = contextvars.ContextVar(
     "etfold_xnnpack_kept_out", default=frozenset()
@@ -182,7 +185,7 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
 
     # ---- end dtype converts
 
-    # ---- one serialized form per constant and delegate
+    # ---- one serialized form per constant and delegate, one output per value
     def get_matched_nodes_from_configs(self, ep: ExportedProgram):
         groups = super().get_matched_nodes_from_configs(ep)
         kept_out = _KEPT_OUT.get()
@@ -192,7 +195,7 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
 
     def generate_partitions(self, ep: ExportedProgram):
         """Upstream's partitions, re-drawn until no constant needs two forms in one delegate."""
-        kept_out: set = set()
+        kept_out: set = set(clones_of_returned_values(ep))
         token = _KEPT_OUT.set(kept_out)
         try:
             while True:
@@ -205,3 +208,32 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
                     kept_out.update(conflict.kept_out)
         finally:
             _KEPT_OUT.reset(token)
+
+
+_CLONES = frozenset(
+    {
+        exir_ops.edge.aten.clone.default,
+        exir_ops.edge.dim_order_ops._clone_dim_order.default,
+    }
+)
+
+
+def clones_of_returned_values(ep: ExportedProgram) -> list:
+    """Clones of a value the program also returns (a buffer's update returned as a user
+    output too). XNNPACK drops a clone inside a delegate, which would then return one
+    value twice and fail to lower; they stay outside, recorded."""
+    (outputs,) = [n for n in ep.graph.nodes if n.op == "output"]
+    returned = {v for v in outputs.args[0] if isinstance(v, torch.fx.Node)}
+    clones = [
+        n
+        for n in ep.graph.nodes
+        if n.op == "call_function" and n.target in _CLONES and n.args[0] in returned
+    ]
+    for clone in clones:
+        record_declined(
+            REPEATED_OUTPUT_FOLD,
+            clone.name,
+            f"copies `{clone.args[0].name}`, which the program also returns; inside a delegate"
+            " the copy would be dropped and the delegate return one value twice",
+        )
+    return clones
