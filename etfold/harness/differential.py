@@ -81,7 +81,8 @@ KNOWN_UPSTREAM: tuple[tuple[str, str], ...] = (
     ),
     (
         r"is already in the inputs\. This is likely due to pass through arguments",
-        "XNNPACK preprocess: a delegate output that is also its input (a method returning a buffer it updates)",
+        "XNNPACK preprocess: a delegate returning one value twice, or its own input (copies it"
+        " drops inside a delegate: a layout-only copy of an input, a returned buffer update)",
     ),
     (
         r"Failed to load method \w+, error: 0x:?1$",
@@ -101,6 +102,11 @@ KNOWN_UPSTREAM: tuple[tuple[str, str], ...] = (
         r"method->execute\(\) failed with error 0x12$",
         "portable _to_dim_order_copy rejects a channels-last copy over a size-1 channel dim"
         " (its dim order check; InvalidArgument)",
+    ),
+    (
+        r"method->execute\(\) failed with error 0x10$",
+        "XNNPACK runtime: a delegate output over a size-1 channel dim cannot be resized to the"
+        " shape it computes (its static output tensor is laid out for another dim order)",
     ),
     (
         r"running the 'Conv1dUnsqueezePass' pass",

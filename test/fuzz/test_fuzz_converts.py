@@ -75,3 +75,28 @@ def test_a_channels_last_cast_over_one_channel_fails_in_stock_runtime_and_is_a_k
     assert outcome.verdict == "crash_both", outcome.detail
     assert "0x12" in outcome.detail and known_upstream(outcome.detail)
     assert failure_message(case, outcome) is None
+
+
+def test_a_delegate_output_over_one_channel_that_fails_to_resize_is_a_known_upstream_crash():
+    """XNNPACK cannot resize the static output of a delegate whose single-channel result
+    it computes in another dim order ('Failed to resize output tensor'); stock and etfold
+    alike."""
+    from etfold.harness.differential import known_upstream
+    from etfold.harness.generated import ConvertRegion, ConvertsCase
+
+    case = ConvertsCase(
+        seed=252,
+        channels=1,
+        size=(2, 5),
+        model_dtype="float16",
+        regions=(
+            ConvertRegion("float32", "linear"),
+            ConvertRegion("float32", "norm_in_fp32", channels_last=True),
+            ConvertRegion("float16", "add_residual"),
+            ConvertRegion("float16", "gelu"),
+        ),
+    )
+    outcome = run_case(case)
+    assert outcome.verdict == "crash_both", outcome.detail
+    assert "0x10" in outcome.detail and known_upstream(outcome.detail)
+    assert failure_message(case, outcome) is None
