@@ -96,7 +96,7 @@ class ArmPassInsertion:
 
 _SCALAR_MUL = "etfold.backends.arm._passes.fold_scalar_mul_into_conv_pass:FoldScalarMulIntoConvPass"
 
-_DYT = "etfold.backends.arm._passes."
+_ARM = "etfold.backends.arm._passes."
 
 # The one place to add an etfold Arm pass.
 ARM_PASS_INSERTIONS: tuple[ArmPassInsertion, ...] = (
@@ -119,21 +119,29 @@ ARM_PASS_INSERTIONS: tuple[ArmPassInsertion, ...] = (
     # integer graph, alpha into the tanh TABLE and any remaining exact affine into the conv
     ArmPassInsertion(
         "arm.dyt_affine_into_conv_float",
-        lazy_pass(_DYT + "fold_dyt_affine_into_conv_float_pass:FoldDyTAffineIntoConvFloatPass"),
+        lazy_pass(_ARM + "fold_dyt_affine_into_conv_float_pass:FoldDyTAffineIntoConvFloatPass"),
         anchor="FoldScalarMulIntoConvPass",
         position="after",
         pipeline="annotation",
     ),
     ArmPassInsertion(
         "arm.dyt_alpha_into_lut",
-        lazy_pass(_DYT + "fold_dyt_alpha_into_lut_pass:FoldDyTAlphaIntoLUTPass"),
+        lazy_pass(_ARM + "fold_dyt_alpha_into_lut_pass:FoldDyTAlphaIntoLUTPass"),
         anchor="InsertTableOpsPass",
+        position="before",
+        pipeline="backend",
+    ),
+    # a wrong program in stock FP lowering: mul/add whose lower-rank operand comes first
+    ArmPassInsertion(
+        "arm.higher_rank_operand_first",
+        lazy_pass(_ARM + "higher_rank_operand_first_pass:HigherRankOperandFirstPass"),
+        anchor="MatchArgRanksPass",
         position="before",
         pipeline="backend",
     ),
     ArmPassInsertion(
         "arm.dyt_affine_into_conv",
-        lazy_pass(_DYT + "fold_dyt_affine_into_conv_pass:FoldDyTAffineIntoConvPass"),
+        lazy_pass(_ARM + "fold_dyt_affine_into_conv_pass:FoldDyTAffineIntoConvPass"),
         anchor="InsertTableOpsPass",
         position="after",
         pipeline="backend",
