@@ -47,6 +47,16 @@ def _on_alarm(signum, frame):
     raise CaseTimeout
 
 
+def _on_terminate(signum, frame):
+    raise SystemExit(128 + signum)  # stopped, not crashed: the in-flight case is not recorded
+
+
+# how a worker dies on a native crash in a runtime (SIGKILL: the kernel's OOM killer)
+NATIVE_CRASH_SIGNALS = frozenset(
+    {signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGKILL}
+)
+
+
 def draw_case(family: str, seed: int, index: int):
     """Case `index` of `family` for `seed`: the same case on every run."""
     import fuzz_strategies
@@ -216,7 +226,7 @@ def _run_until_done(argv: list[str]) -> None:
     that took it down (process_crash) and goes on with the next."""
     import subprocess
 
-    while subprocess.run([sys.executable, __file__, *argv]).returncode < 0:
+    while -subprocess.run([sys.executable, __file__, *argv]).returncode in NATIVE_CRASH_SIGNALS:
         print("[fuzz] a worker died on a native crash; resuming after that case", flush=True)
 
 
@@ -267,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     per_family = -(-args.cases // len(args.families))
     deadline = None if args.budget is None else time.monotonic() + 60 * args.budget
     signal.signal(signal.SIGALRM, _on_alarm)
+    signal.signal(signal.SIGTERM, _on_terminate)
     locks = [] if args.summary_only else _lock_families(args.state_dir, args.families, args.seed)
     revision = None if args.summary_only else _source_revision()
     records = {f: _recorded(_state_file(args.state_dir, f, args.seed)) for f in args.families}
@@ -281,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         family = min(pending, key=lambda f: len(records[f]))
         marker = _inflight(args.state_dir, family, args.seed)
         marker.write_text(str(len(records[family])))
-        record = run_one(family, args.seed, len(records[family]), args.timeout)
+        try:
+            record = run_one(family, args.seed, len(records[family]), args.timeout)
+        except SystemExit:  # terminated: the case runs again on resume
+            marker.unlink(missing_ok=True)
+            raise
         record["revision"] = revision
         records[family].append(record)
         with _state_file(args.state_dir, family, args.seed).open("a") as out:

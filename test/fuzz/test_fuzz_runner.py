@@ -166,3 +166,26 @@ def test_recheck_runs_the_cases_with_those_verdicts_again_and_counts_their_new_v
         (2, "upstream_wrong"),
     ]
     assert recorded[1]["recheck"] and recorded[1]["rechecked_verdict"] == "wrong"
+
+
+def test_a_terminated_worker_is_not_restarted_and_its_case_runs_again(fuzz, tmp_path, monkeypatch):
+    import signal
+    import subprocess
+
+    calls = []
+
+    class Finished:
+        returncode = -signal.SIGTERM
+
+    with monkeypatch.context() as patched:
+        patched.setattr(subprocess, "run", lambda command: calls.append(command) or Finished())
+        fuzz._run_until_done(["--worker", "--families", "dyt"])
+    assert len(calls) == 1
+
+    def terminated(family, seed, index, timeout):
+        raise SystemExit(143)
+
+    monkeypatch.setattr(fuzz, "run_one", terminated)
+    with pytest.raises(SystemExit):
+        fuzz.main(["--cases", "4", "--state-dir", str(tmp_path), "--families", "dyt"])
+    assert not list(tmp_path.glob("*.inflight")) and not (tmp_path / "dyt-seed0.jsonl").exists()
