@@ -13,7 +13,6 @@ later one silently replaces the earlier, and one method reads the other's weight
 
 from __future__ import annotations
 
-import hashlib
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.export import ExportedProgram
 
-from etfold.exir.passes.graph_walk import stored_value
+from etfold.exir.passes.graph_walk import stored_value, tensor_digest
 
 
 class ExternalConstantCollisionError(ValueError):
@@ -33,12 +32,6 @@ class ExternalEntry:
     method: str
     tag: str
     digest: str  # of dtype, shape and bytes
-
-
-def tensor_digest(tensor: torch.Tensor) -> str:
-    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    header = f"{tensor.dtype}:{tuple(tensor.shape)}:".encode()
-    return hashlib.sha256(header + flat.numpy().tobytes()).hexdigest()
 
 
 def _tagged_placeholders(programs: Mapping[str, ExportedProgram]):

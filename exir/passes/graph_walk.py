@@ -12,6 +12,7 @@ by Python's recursion limit.
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -261,3 +262,12 @@ def convert_every_use(graph: torch.fx.Graph, node: torch.fx.Node, **kwargs) -> t
         converted = insert_to_copy(graph, node, **kwargs)
     node.replace_all_uses_with(converted, delete_user_cb=lambda user: user is not converted)
     return converted
+
+
+def tensor_digest(tensor: torch.Tensor, length: int | None = None) -> str:
+    """sha256 of a tensor's dtype, shape and bytes (its first `length` hex digits): equal
+    digests mean equal tensors, so it names constants by content and finds duplicates."""
+    data = tensor.detach().cpu().contiguous()
+    digest = hashlib.sha256(f"{data.dtype}:{tuple(data.shape)}:".encode())
+    digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:length]

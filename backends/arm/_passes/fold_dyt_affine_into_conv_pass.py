@@ -61,12 +61,12 @@ from etfold.backends.arm._passes.dyt_match import (
     single_qargs,
 )
 from etfold.backends.arm._passes.graph_utils import (
+    NAME_DIGEST_LENGTH,
     axis_before_layout_op,
     channel_vector,
     conv_input_channels,
     create_constant,
     fresh_constant_name,
-    tensor_digest,
 )
 from etfold.backends.arm._passes.tosa_integer import (
     INT32_MAX,
@@ -77,6 +77,7 @@ from etfold.backends.arm._passes.tosa_integer import (
     fits_int32,
 )
 from etfold.decisions import Declined
+from etfold.exir.passes.graph_walk import tensor_digest
 
 FOLD = "arm.dyt_affine_into_conv"
 
@@ -599,7 +600,7 @@ def _fresh_constant(
 ) -> Node:
     base = f"{original.name}_dyt_folded_for_{conv.name}"
     name = fresh_constant_name(
-        graph_module, exported_program, [base, f"{base}_{tensor_digest(data)}"]
+        graph_module, exported_program, [base, f"{base}_{tensor_digest(data, NAME_DIGEST_LENGTH)}"]
     )
     return create_constant(graph_module, exported_program, like=original, name=name, data=data)
 

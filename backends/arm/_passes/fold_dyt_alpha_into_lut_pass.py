@@ -52,13 +52,14 @@ from etfold.backends.arm._passes.dyt_match import (
     single_qargs,
 )
 from etfold.backends.arm._passes.graph_utils import (
+    NAME_DIGEST_LENGTH,
     create_constant,
     fresh_constant_name,
-    tensor_digest,
 )
 from etfold.backends.arm._passes.lowering_target import ethos_u_target
 from etfold.backends.arm._passes.tosa_integer import Rescale, fits_int32
 from etfold.decisions import Declined
+from etfold.exir.passes.graph_walk import tensor_digest
 
 FOLD = "arm.dyt_alpha_into_lut"
 
@@ -267,7 +268,7 @@ def rewrite_alpha_into_table(
         exported_program,
         [
             f"b_{match.tanh.name}_dyt_table_constant",
-            f"b_{match.tanh.name}_dyt_table_constant_{tensor_digest(match.table)}",
+            f"b_{match.tanh.name}_dyt_table_constant_{tensor_digest(match.table, NAME_DIGEST_LENGTH)}",
         ],
     )
     table_constant = create_constant(

@@ -47,6 +47,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from etfold.backends.arm._passes.carried_state import carried_region
 from etfold.backends.arm._passes.graph_utils import (
+    NAME_DIGEST_LENGTH,
     axis_through_view,
     channel_vector,
     constant_tensor,
@@ -55,9 +56,9 @@ from etfold.backends.arm._passes.graph_utils import (
     fresh_constant_name,
     is_inference_noop,
     is_layout,
-    tensor_digest,
 )
 from etfold.decisions import Declined
+from etfold.exir.passes.graph_walk import tensor_digest
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
 
 FOLD = "arm.scalar_mul_into_conv"
@@ -482,7 +483,7 @@ class FoldScalarMulIntoConvPass(ArmPass):
     ) -> str:
         scale = m.channel_scale
         folded_weight = scaled_weight(m.weight_tensor.detach(), scale, m.transposed, m.groups)
-        digest = tensor_digest(scale)
+        digest = tensor_digest(scale, NAME_DIGEST_LENGTH)
 
         def fresh(source: Node) -> str:
             base = f"{source.target if source.op == 'get_attr' else source.name}_mul_{digest}"

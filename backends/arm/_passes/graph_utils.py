@@ -15,7 +15,6 @@ and never write into an existing tensor.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -109,13 +108,7 @@ def quantization_source(node: Node) -> Node | None:
     return node.args[0] if keeps_input_quantization(node) else None
 
 
-def tensor_digest(tensor: torch.Tensor, length: int = 10) -> str:
-    """A short, deterministic name fragment for a tensor's dtype, shape and values."""
-    data = tensor.detach().cpu().contiguous()
-    digest = hashlib.sha256()
-    digest.update(f"{data.dtype}{tuple(data.shape)}".encode())
-    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    return digest.hexdigest()[:length]
+NAME_DIGEST_LENGTH = 10  # hex digits of `tensor_digest` in a new constant's name
 
 
 def _get_attr_owner(

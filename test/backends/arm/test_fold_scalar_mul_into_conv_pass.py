@@ -337,7 +337,7 @@ def test_annotation_form_creates_fresh_attributes_and_never_writes_the_source():
         n for n in graph_module.graph.nodes if n.op == "call_function" and "conv" in str(n.target)
     )
     weight_name, bias_name = conv.args[1].target, conv.args[2].target
-    digest = fold.tensor_digest(model.scale.reshape(-1).float())
+    digest = fold.tensor_digest(model.scale.reshape(-1).float(), fold.NAME_DIGEST_LENGTH)
     assert (weight_name, bias_name) == (f"conv_weight_mul_{digest}", f"conv_bias_mul_{digest}")
     assert torch.equal(source, source_values) and torch.equal(model.conv.weight, source_values)
     assert not hasattr(
@@ -371,7 +371,11 @@ def test_backend_form_creates_fresh_placeholders_and_keeps_a_source_still_read()
     assert (
         shared_name in placeholders and len(placeholders[shared_name].users) == 1
     )  # b still reads it
-    created = [n for n in placeholders if n.endswith(fold.tensor_digest(torch.full((8,), 3.0)))]
+    created = [
+        n
+        for n in placeholders
+        if n.endswith(fold.tensor_digest(torch.full((8,), 3.0), fold.NAME_DIGEST_LENGTH))
+    ]
     assert len(created) == 2  # weight and bias
     assert all(name in program.state_dict for name in created)
     assert program.state_dict[shared_target] is not None
