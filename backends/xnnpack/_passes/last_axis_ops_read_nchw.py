@@ -18,12 +18,15 @@ their input back first; that is exact, and costs one transpose.
 
 Upstream keeps the set on the pass class and builds the pass inside
 `XnnpackBackend.preprocess`, so the set is extended for the duration of one
-preprocess call of a delegate etfold's partitioner marked with `LAYOUT_GUARD_SPEC`.
+preprocess call of a delegate etfold's partitioner marked with `LAYOUT_GUARD_SPEC`,
+and for that call's context only: a lowering in another thread meanwhile sees
+upstream's set.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -46,8 +49,23 @@ LAST_AXIS_OPS = frozenset(
 )
 
 _guard_lock = threading.Lock()
-_guard_depth = 0
+_guard_users = 0  # open guards in any thread
 _upstream_nchw_ops: set | None = None
+_guarded_here: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "etfold_last_axis_guard", default=0
+)
+
+
+class _NchwOpsInThisContext:
+    """Stands in for upstream's class-level NCHW-only op set while any guard is open:
+    inside a guarded block (this context) it adds LAST_AXIS_OPS, and everywhere else,
+    a stock lowering in another thread included, it is upstream's set unchanged."""
+
+    def __init__(self, upstream: set):
+        self.upstream = upstream
+
+    def __get__(self, instance, owner=None):
+        return self.upstream | LAST_AXIS_OPS if _guarded_here.get() else self.upstream
 
 
 def _may_produce_nhwc(node: torch.fx.Node) -> bool:
@@ -83,20 +101,22 @@ def has_layout_guard(compile_specs) -> bool:
 
 @contextlib.contextmanager
 def last_axis_ops_read_nchw() -> Iterator[None]:
-    """Extend upstream's NCHW-only op set for the block (re-entrant, thread-safe)."""
-    global _guard_depth, _upstream_nchw_ops
+    """Extend upstream's NCHW-only op set for the block, in this context only (re-entrant)."""
+    global _guard_users, _upstream_nchw_ops
     with _guard_lock:
-        if _guard_depth == 0:
-            _upstream_nchw_ops = ChannelsLastTaggedReshapePass.memory_sensitive_ops_nchw
-            ChannelsLastTaggedReshapePass.memory_sensitive_ops_nchw = (
-                _upstream_nchw_ops | LAST_AXIS_OPS
+        if _guard_users == 0:
+            _upstream_nchw_ops = ChannelsLastTaggedReshapePass.__dict__["memory_sensitive_ops_nchw"]
+            ChannelsLastTaggedReshapePass.memory_sensitive_ops_nchw = _NchwOpsInThisContext(
+                _upstream_nchw_ops
             )
-        _guard_depth += 1
+        _guard_users += 1
+    token = _guarded_here.set(_guarded_here.get() + 1)
     try:
         yield
     finally:
+        _guarded_here.reset(token)
         with _guard_lock:
-            _guard_depth -= 1
-            if _guard_depth == 0:
+            _guard_users -= 1
+            if _guard_users == 0:
                 ChannelsLastTaggedReshapePass.memory_sensitive_ops_nchw = _upstream_nchw_ops
                 _upstream_nchw_ops = None

@@ -153,6 +153,32 @@ def test_guard_restores_upstream_set_after_use_and_nesting():
     assert ChannelsLastTaggedReshapePass.memory_sensitive_ops_nchw is original
 
 
+def test_guard_extends_the_set_only_in_its_own_thread():
+    """A stock lowering running beside a guarded preprocess sees upstream's set."""
+    import threading
+
+    from etfold.backends.xnnpack._passes.last_axis_ops_read_nchw import LAST_AXIS_OPS
+
+    original = ChannelsLastTaggedReshapePass.memory_sensitive_ops_nchw
+    opened, seen, done = threading.Event(), {}, threading.Event()
+
+    def guarded():
+        with last_axis_ops_read_nchw():
+            seen["guarded"] = ChannelsLastTaggedReshapePass.memory_sensitive_ops_nchw
+            opened.set()
+            done.wait(timeout=30)
+
+    thread = threading.Thread(target=guarded)
+    thread.start()
+    assert opened.wait(timeout=30)
+    seen["beside"] = ChannelsLastTaggedReshapePass.memory_sensitive_ops_nchw
+    done.set()
+    thread.join()
+    assert seen["guarded"] >= LAST_AXIS_OPS
+    assert seen["beside"] == original and not LAST_AXIS_OPS & seen["beside"]
+    assert ChannelsLastTaggedReshapePass.memory_sensitive_ops_nchw is original
+
+
 @settings(
     max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
