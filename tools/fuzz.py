@@ -166,12 +166,35 @@ def run_one(family: str, seed: int, index: int, timeout: int) -> dict:
     return record
 
 
+STALE = "stale"  # --recheck: the cases whose draw changed since they were recorded
+
+
+def _draw_changed(record: dict, family: str, seed: int) -> bool:
+    """The recorded case is not the one drawn today. A field the record predates counts as
+    its default, so adding a field with a default leaves the cases that keep it current."""
+    import dataclasses
+
+    case = draw_case(family, seed, record["index"])
+    recorded = record["case"]
+    for field in dataclasses.fields(case):
+        value = getattr(case, field.name)
+        token = f"{field.name}={value!r}"
+        if f"{token}," in recorded or f"{token})" in recorded:
+            continue
+        if f"{field.name}=" not in recorded and value == field.default:
+            continue
+        return True
+    return False
+
+
 def _recheck(args, family: str, records: list[dict], revision: str, deadline) -> None:
     """Run again, on this revision, every recorded case whose verdict is in --recheck (after
-    a fix, or a fix of the oracle); the new record replaces the old one."""
+    a fix, or a fix of the oracle), and with STALE every case drawn differently today (after
+    a generator change); the new record replaces the old one."""
     state = _state_file(args.state_dir, family, args.seed)
     for position, old in enumerate(records):
-        if old["verdict"] not in args.recheck:
+        stale = STALE in args.recheck and _draw_changed(old, family, args.seed)
+        if old["verdict"] not in args.recheck and not stale:
             continue
         if deadline is not None and time.monotonic() > deadline:
             return
@@ -258,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=[],
         metavar="VERDICT",
-        help="first run again the recorded cases with these verdicts (after a fix)",
+        help="first run again the recorded cases with these verdicts (after a fix);"
+        f" {STALE!r}: the cases drawn differently since (after a generator change)",
     )
     parser.add_argument(
         "--jobs",

@@ -387,6 +387,7 @@ class ScalarMulCase:
     scale_values: str  # a key of SCALE_VALUES
     scale_first: bool = False  # s * conv(x) rather than conv(x) * s
     share: bool = False  # a second conv reads the same weight with another scale
+    shared_input: str = "same"  # the second conv reads x ("same": one product twice) or x mirrored
     state: str = "none"  # "none", "buffer" (recurrent state in a buffer), "marked_output"
     profile: str = "INT"  # "INT" or "FP"
 
@@ -512,6 +513,8 @@ class ConvScale(nn.Module):
     def _shared_branch(self, x: torch.Tensor) -> torch.Tensor:
         """The same weight, read by a second conv with another scale."""
         conv = self.conv
+        if self.case.shared_input == "mirrored":
+            x = x.flip(-1)
         if isinstance(conv, nn.ConvTranspose1d | nn.ConvTranspose2d):
             fn = F.conv_transpose1d if isinstance(conv, nn.ConvTranspose1d) else F.conv_transpose2d
             y = fn(x, conv.weight, None, conv.stride, conv.padding, 0, conv.groups, conv.dilation)

@@ -13,6 +13,7 @@ and "long" (used by tools/fuzz.py, which sets its own example counts and seeds).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -153,7 +154,7 @@ def scalar_mul_cases(draw) -> ScalarMulCase:
     even = st.sampled_from([2, 4, 6])
     grouped = conv == "grouped"
     values = draw(st.sampled_from([*SCALE_VALUES, *NON_FINITE_SCALES]))
-    return ScalarMulCase(
+    case = ScalarMulCase(
         seed=draw(seeds),
         conv=conv,
         in_channels=draw(even if grouped else st.integers(1, 6)),
@@ -172,6 +173,9 @@ def scalar_mul_cases(draw) -> ScalarMulCase:
         if values in NON_FINITE_SCALES
         else draw(st.sampled_from(["INT", "INT", "FP"])),
     )
+    if not case.share:  # drawn last, so every earlier field keeps its recorded draw
+        return case
+    return dataclasses.replace(case, shared_input=draw(st.sampled_from(["same", "mirrored"])))
 
 
 # ---------------------------------------------------------------- Arm DyT

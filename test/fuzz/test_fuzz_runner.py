@@ -189,3 +189,44 @@ def test_a_terminated_worker_is_not_restarted_and_its_case_runs_again(fuzz, tmp_
     with pytest.raises(SystemExit):
         fuzz.main(["--cases", "4", "--state-dir", str(tmp_path), "--families", "dyt"])
     assert not list(tmp_path.glob("*.inflight")) and not (tmp_path / "dyt-seed0.jsonl").exists()
+
+
+def test_recheck_stale_runs_again_only_the_cases_drawn_differently_today(
+    fuzz, monkeypatch, tmp_path
+):
+    import dataclasses
+
+    ran = []
+    draw = fuzz.draw_case
+
+    def run_one(family, seed, index, timeout):
+        ran.append(index)
+        return {
+            "verdict": "ok",
+            "detail": "",
+            "index": index,
+            "case": repr(draw(family, seed, index)),
+        }
+
+    monkeypatch.setattr(fuzz, "run_one", run_one)
+    args = ["--cases", "3", "--state-dir", str(tmp_path), "--families", "dyt"]
+    assert fuzz.main(args) == 0
+    ran.clear()
+
+    def changed_generator(family, seed, index):
+        case = draw(family, seed, index)
+        return dataclasses.replace(case, alpha=case.alpha + 1) if index == 1 else case
+
+    monkeypatch.setattr(fuzz, "draw_case", changed_generator)
+    assert fuzz.main([*args, "--recheck", fuzz.STALE]) == 0
+    assert ran == [1]
+
+
+def test_a_record_that_predates_a_field_with_its_default_is_current(fuzz):
+    case = fuzz.draw_case("scalar_mul", 2026, 0)
+    assert case.shared_input == "same"
+    predating = repr(case).replace(", shared_input='same'", "")
+    assert "shared_input" not in predating
+    assert not fuzz._draw_changed({"index": 0, "case": predating}, "scalar_mul", 2026)
+    moved = predating.replace(f"seed={case.seed},", f"seed={case.seed + 1},")
+    assert fuzz._draw_changed({"index": 0, "case": moved}, "scalar_mul", 2026)

@@ -26,6 +26,9 @@ pipeline (so INT quantization calibrates the folded conv) and in the backend
 pipeline (FP profile). W', b * s are new constants named from their source and a
 digest of s; the sources are removed only once nothing reads them, and no
 existing tensor is written (the annotation pipeline's tensors are the user's).
+Before calibration it declines a conv whose product another conv also computes
+(same input, same weight): quantized, the two round alike and a later sum of
+their scalings cancels that rounding, which separate folded weights would not.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from etfold.backends.arm._passes.graph_utils import (
     fresh_constant_name,
     is_inference_noop,
     is_layout,
+    twin_layer,
 )
 from etfold.decisions import Declined
 from etfold.exir.passes.graph_walk import tensor_digest
@@ -111,6 +115,11 @@ SCALE_NOT_CONSTANT = "scale is not a constant"
 SCALE_NOT_FINITE = "scale is not finite (NaN or Inf)"
 SCALE_NOT_CHANNELWISE = "scale broadcasts along a non-channel dimension"
 CHANGES_OUTPUT = "mul changes the conv output's shape or dtype"
+TWIN_BEFORE_CALIBRATION = (
+    "another conv computes the same product (same input, same weight): quantized, the"
+    " two round alike, so errors cancel where their results are combined; a scale folded"
+    " into one alone would give each its own rounding"
+)
 WEIGHT_BELOW_SCALE_FLOOR = (
     "folding shrinks a channel's weights below the smallest int8 weight scale Arm's"
     " quantizer allows (2^-16 per step), costing more than half an output step"
@@ -433,6 +442,8 @@ class FoldScalarMulIntoConvPass(ArmPass):
             return Declined(WEIGHT_NOT_CONSTANT)
         if not is_float_conv(self, conv, mul, weight_tensor):
             return Declined(QUANTIZED)
+        if self.is_tfa_pass and twin_layer(conv) is not None:
+            return Declined(TWIN_BEFORE_CALIBRATION)
         bias = _arg(conv, BIAS_INDEX, "bias")
         if bias is not None and not isinstance(bias, Node):
             return Declined(BIAS_NOT_CONSTANT)

@@ -134,6 +134,33 @@ def get_attr_tensor(node: Node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
+def _same_tensor(a, b) -> bool:
+    """Two arguments that read one tensor: the same node, or get_attrs of one attribute."""
+    if a is b:
+        return True
+    both_attrs = isinstance(a, Node) and isinstance(b, Node) and a.op == b.op == "get_attr"
+    return both_attrs and a.target == b.target
+
+
+def twin_layer(layer: Node) -> Node | None:
+    """Another call of `layer`'s op on the same input and the same weight, with the same
+    stride, padding and groups (the bias may differ): the same product computed twice."""
+    if len(layer.args) < 2 or not isinstance(layer.args[0], Node):
+        return None
+    for other in layer.args[0].users:
+        if other is layer or other.target != layer.target or len(other.args) < 2:
+            continue
+        same_layout = (
+            tuple(other.args[3:]) == tuple(layer.args[3:]) and other.kwargs == layer.kwargs
+        )
+        same_operands = other.args[0] is layer.args[0] and _same_tensor(
+            other.args[1], layer.args[1]
+        )
+        if same_layout and same_operands:
+            return other
+    return None
+
+
 def _mutating_write_destination(node: Node) -> Node | None:
     """For an in-place op writing into a graph input or attribute, the root being written."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):

@@ -28,7 +28,14 @@ from etfold.backends.arm import FoldScalarMulIntoConvPass, arm_folds_registered
 from etfold.backends.arm._passes import fold_scalar_mul_into_conv_pass as fold
 from etfold.backends.arm.registration import upstream_folds_retired
 from etfold.decisions import FoldDecision, collect_decisions
-from etfold.harness.tosa_runner import FP, INT, TosaProgram, lower_module_tosa, output_scales
+from etfold.harness.tosa_runner import (
+    FP,
+    INT,
+    TosaProgram,
+    lower_module_tosa,
+    max_code_difference,
+    output_scales,
+)
 from etfold.harness.xnnpack_runner import eager_outputs
 
 _LOWERINGS = {
@@ -184,25 +191,30 @@ def test_wide_dynamic_range_per_channel_scale_is_no_worse_than_unfolded():
 
 
 class SharedWeight(torch.nn.Module):
-    """Two convs reading one weight, scaled differently."""
+    """Two convs reading one weight, scaled differently; the second reads `x` mirrored,
+    or, with `twin`, `x` itself (one product computed twice)."""
 
-    def __init__(self):
+    def __init__(self, twin: bool = False):
         super().__init__()
+        self.twin = twin
         self.a = torch.nn.Conv2d(3, 8, 3, padding=1)
         self.b = torch.nn.Conv2d(3, 8, 3, padding=1)
         self.b.weight = self.a.weight
 
+    def second_input(self, x):
+        return x if self.twin else x.flip(-1)
+
     def forward(self, x):
-        return self.a(x) * 2.0 + self.b(x) * 5.0
+        return self.a(x) * 2.0 + self.b(self.second_input(x)) * 5.0
 
     def hand_folded(self) -> torch.nn.Module:
         class Folded(torch.nn.Module):
-            def __init__(self, a, b):
+            def __init__(self, a, b, second_input):
                 super().__init__()
-                self.a, self.b = a, b
+                self.a, self.b, self.second_input = a, b, second_input
 
             def forward(self, x):
-                return self.a(x) + self.b(x)
+                return self.a(x) + self.b(self.second_input(x))
 
         a, b = copy.deepcopy(self.a), copy.deepcopy(self.b)
         b.weight = torch.nn.Parameter(self.a.weight.detach().clone())
@@ -210,12 +222,12 @@ class SharedWeight(torch.nn.Module):
             for conv, s in ((a, 2.0), (b, 5.0)):
                 conv.weight.mul_(s)
                 conv.bias.mul_(s)
-        return Folded(a, b).eval()
+        return Folded(a, b, self.second_input).eval()
 
 
-def _shared():
+def _shared(twin: bool = False):
     torch.manual_seed(0)
-    return SharedWeight().eval(), (torch.randn(1, 3, 8, 8),)
+    return SharedWeight(twin).eval(), (torch.randn(1, 3, 8, 8),)
 
 
 @pytest.mark.parametrize("profile", [INT, FP])
@@ -236,9 +248,34 @@ def test_shared_weight_folds_each_conv_with_its_own_scale(profile):
         torch.testing.assert_close(out, eager_outputs(model, inputs)[0], atol=1e-4, rtol=1e-5)
 
 
+def test_twin_convs_keep_their_scales_before_calibration():
+    """Quantized, a conv computed twice rounds alike in both places (one weight
+    rounding, the same output codes), so a sum of its two scalings cancels that error;
+    folding a scale into one copy would round each on its own. INT declines both and
+    matches the unfolded lowering code for code."""
+    model, inputs = _shared(twin=True)
+    with collect_decisions() as journal:
+        folded = lower(model, inputs, INT, "etfold")
+    reasons = {d.detail for d in mine(journal) if not d.applied}
+    assert reasons == {fold.TWIN_BEFORE_CALIBRATION}
+    assert not any(d.applied for d in mine(journal))
+    unfolded = lower(model, inputs, INT, "unfolded")
+    assert max_code_difference(folded.run(*inputs), unfolded.run(*inputs)) == 0
+
+
+def test_twin_convs_fold_exactly_in_float():
+    model, inputs = _shared(twin=True)
+    with collect_decisions() as journal:
+        folded = lower(model, inputs, FP, "etfold")
+    assert sum(d.applied for d in mine(journal)) == 2
+    torch.testing.assert_close(
+        folded.run(*inputs).outputs[0], eager_outputs(model, inputs)[0], atol=1e-4, rtol=1e-5
+    )
+
+
 def test_stock_gets_shared_weight_wrong_on_fp():
     """Documents the upstream bug: the second conv reads the weight already scaled by the first."""
-    model, inputs = _shared()
+    model, inputs = _shared(twin=True)
     stock = lower(model, inputs, FP, "stock")
     error = float((stock.run(*inputs).outputs[0] - eager_outputs(model, inputs)[0]).abs().max())
     assert error > 1.0
