@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import signal
 import sys
@@ -47,8 +48,17 @@ def _on_alarm(signum, frame):
     raise CaseTimeout
 
 
+_in_flight_marker: Path | None = None  # the in-flight marker of the case running now
+
+
 def _on_terminate(signum, frame):
-    raise SystemExit(128 + signum)  # stopped, not crashed: the in-flight case is not recorded
+    """Stopped, not crashed: exit at once and record nothing, so the in-flight case runs
+    again on resume. Not an exception: one raised from a signal handler can land in a
+    finalizer or a catch-all, which swallows it, and the run would go on."""
+    if _in_flight_marker is not None:
+        _in_flight_marker.unlink(missing_ok=True)
+    sys.stdout.flush()
+    os._exit(128 + signum)
 
 
 # how a worker dies on a native crash in a runtime (SIGKILL: the kernel's OOM killer)
@@ -57,14 +67,37 @@ NATIVE_CRASH_SIGNALS = frozenset(
 )
 
 
+def _provider_blind_to_source_constants():
+    """Hypothesis's provider, minus the constants it collects from the source of the modules
+    the process has loaded: with those, a draw depends on what was imported before it."""
+    from hypothesis.internal.conjecture.choice import choice_permitted
+    from hypothesis.internal.conjecture.providers import GLOBAL_CONSTANTS, HypothesisProvider
+
+    class Provider(HypothesisProvider):
+        def _maybe_draw_constant(self, choice_type, constraints, *, p=0.05):
+            if self._random.random() > p:
+                return None
+            allowed = [
+                c
+                for c in GLOBAL_CONSTANTS.set_for_type(choice_type)
+                if choice_permitted(c, constraints)
+            ]
+            return self._random.choice(sorted(allowed, key=repr)) if allowed else None
+
+    return Provider
+
+
 def draw_case(family: str, seed: int, index: int):
-    """Case `index` of `family` for `seed`: the same case on every run."""
+    """Case `index` of `family` for `seed`: the same case on every run, in any process."""
     import fuzz_strategies
     from hypothesis.control import BuildContext
     from hypothesis.internal.conjecture.data import ConjectureData
 
     digest = hashlib.sha256(f"{seed}:{family}:{index}".encode()).digest()
-    data = ConjectureData(random=random.Random(int.from_bytes(digest[:8], "little")))
+    data = ConjectureData(
+        random=random.Random(int.from_bytes(digest[:8], "little")),
+        provider=_provider_blind_to_source_constants(),
+    )
     with BuildContext(data, is_final=True, wrapped_test=draw_case):
         return data.draw(fuzz_strategies.FAMILIES[family])
 
@@ -268,6 +301,7 @@ def supervise(argv: list[str], args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global _in_flight_marker
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cases", type=int, default=2000, help="total over the families")
@@ -316,11 +350,14 @@ def main(argv: list[str] | None = None) -> int:
         family = min(pending, key=lambda f: len(records[f]))
         marker = _inflight(args.state_dir, family, args.seed)
         marker.write_text(str(len(records[family])))
+        _in_flight_marker = marker
         try:
             record = run_one(family, args.seed, len(records[family]), args.timeout)
         except SystemExit:  # terminated: the case runs again on resume
             marker.unlink(missing_ok=True)
             raise
+        finally:
+            _in_flight_marker = None
         record["revision"] = revision
         records[family].append(record)
         with _state_file(args.state_dir, family, args.seed).open("a") as out:

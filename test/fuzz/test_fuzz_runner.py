@@ -230,3 +230,60 @@ def test_a_record_that_predates_a_field_with_its_default_is_current(fuzz):
     assert not fuzz._draw_changed({"index": 0, "case": predating}, "scalar_mul", 2026)
     moved = predating.replace(f"seed={case.seed},", f"seed={case.seed + 1},")
     assert fuzz._draw_changed({"index": 0, "case": moved}, "scalar_mul", 2026)
+
+
+def test_sigterm_stops_the_run_even_inside_a_catch_all_and_leaves_no_in_flight_marker(tmp_path):
+    """A harness catches broad exceptions (and finalizers swallow them), so stopping must not
+    depend on an exception surviving the code the signal interrupts."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "dyt-seed0.inflight"
+    marker.write_text("3")
+    script = f"""
+import importlib.util, os, signal, time
+spec = importlib.util.spec_from_file_location("tool", {str(TOOL)!r})
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+signal.signal(signal.SIGTERM, tool._on_terminate)
+tool._in_flight_marker = tool.Path({str(marker)!r})
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+except BaseException:
+    pass
+print("went on")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 128 + 15, done.stderr
+    assert "went on" not in done.stdout
+    assert not marker.exists()
+
+
+def test_a_case_is_drawn_the_same_in_a_process_that_loaded_other_modules_first():
+    """Hypothesis also draws constants found in the source of loaded modules; a case must
+    not depend on what the process imported before drawing it."""
+    import subprocess
+    import sys
+
+    script = f"""
+import importlib.util, sys
+{{preload}}
+spec = importlib.util.spec_from_file_location("tool", {str(TOOL)!r})
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+for index in range(120):
+    print(repr(tool.draw_case("scalar_mul", 2026, index)))
+"""
+    preloads = ["", "import etfold.harness.differential, etfold.backends.arm.registration"]
+    drawn = [
+        subprocess.run(
+            [sys.executable, "-c", script.format(preload=preload)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for preload in preloads
+    ]
+    assert drawn[0].count("ScalarMulCase") == 120
+    assert drawn[0] == drawn[1]

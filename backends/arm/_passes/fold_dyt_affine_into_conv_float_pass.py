@@ -107,12 +107,18 @@ def _linear(node: Node) -> _Conv | None:
     args = [*node.args, None][:3]
     if not isinstance(args[1], Node):
         return None
-    weight = constant_tensor(args[1])
-    bias_node = args[2] if isinstance(args[2], Node) else None
+    constants = _constant_weight_and_bias(args[1], args[2], weight_dims=2)
+    return None if constants is None else _Conv(node, args[1], *constants, (), 1)
+
+
+def _constant_weight_and_bias(weight_node: Node, bias_arg, weight_dims: int):
+    """(bias node or None, weight, bias or None) when the weight, and any bias, are constants."""
+    weight = constant_tensor(weight_node)
+    bias_node = bias_arg if isinstance(bias_arg, Node) else None
     bias = constant_tensor(bias_node) if bias_node is not None else None
-    if weight is None or weight.dim() != 2 or (bias_node is not None and bias is None):
+    if weight is None or weight.dim() != weight_dims or (bias_node is not None and bias is None):
         return None
-    return _Conv(node, args[1], bias_node, weight, bias, (), 1)
+    return bias_node, weight, bias
 
 
 def _conv(node: Node) -> _Conv | None:
@@ -133,12 +139,8 @@ def _conv(node: Node) -> _Conv | None:
     padding = (padding,) * 2 if isinstance(padding, int) else padding
     if not isinstance(padding, (list, tuple)) or not all(isinstance(p, int) for p in padding):
         return None
-    weight = constant_tensor(args[1])
-    bias_node = args[2] if isinstance(args[2], Node) else None
-    bias = constant_tensor(bias_node) if bias_node is not None else None
-    if weight is None or weight.dim() != 4 or (bias_node is not None and bias is None):
-        return None
-    return _Conv(node, args[1], bias_node, weight, bias, tuple(padding), groups)
+    constants = _constant_weight_and_bias(args[1], args[2], weight_dims=4)
+    return None if constants is None else _Conv(node, args[1], *constants, tuple(padding), groups)
 
 
 def _constant_operand(node: Node) -> tuple[int, object] | None:
