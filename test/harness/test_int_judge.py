@@ -23,9 +23,14 @@ LSB = 0.01
 
 
 def judge(mine: torch.Tensor, base: torch.Tensor, eager: torch.Tensor) -> Outcome:
-    ours = _Attempt(outputs=[[mine]], lsb=[LSB])
-    baseline = _Attempt(outputs=[[base]], lsb=[LSB])
-    return _judge_int(Outcome("test", "ok"), ours, baseline, [[eager]])
+    return judge_rollout([mine], [base], [eager])
+
+
+def judge_rollout(mine: list, base: list, eager: list) -> Outcome:
+    """One output per step."""
+    ours = _Attempt(outputs=[[m] for m in mine], lsb=[LSB])
+    baseline = _Attempt(outputs=[[b] for b in base], lsb=[LSB])
+    return _judge_int(Outcome("test", "ok"), ours, baseline, [[e] for e in eager])
 
 
 def grid(codes) -> torch.Tensor:
@@ -68,3 +73,21 @@ def test_nan_where_the_baseline_is_finite_is_wrong():
     base = grid([0.0] * 4)
     mine = grid([0.0, 0.0, 0.0, math.nan])
     assert judge(mine, base, eager).verdict == "wrong"
+
+
+def test_a_rollout_is_judged_whole_where_each_lowering_peaks_at_another_step():
+    """A noisy output (errors of many LSB in both lowerings): etfold's peak falls at step
+    1 and the baseline's at step 0, equally high; over the rollout neither is worse."""
+    eager = [grid([0.0] * 8)] * 2
+    base = [grid([9.0] + [1.0] * 7), grid([1.0] * 8)]
+    mine = [grid([1.0] * 8), grid([9.0] + [1.0] * 7)]
+    assert judge_rollout(mine, base, eager).verdict == "ok"
+
+
+def test_drift_over_a_rollout_is_wrong():
+    eager = [grid([0.0] * 8)] * 3
+    base = [grid([1.0] * 8)] * 3
+    mine = [grid([1.0] * 8), grid([3.0] * 8), grid([6.0] * 8)]
+    outcome = judge_rollout(mine, base, eager)
+    assert outcome.verdict == "wrong"
+    assert "over 3 step(s)" in outcome.detail
