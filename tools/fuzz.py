@@ -220,14 +220,24 @@ def _draw_changed(record: dict, family: str, seed: int) -> bool:
     return False
 
 
+def _to_recheck(record: dict, tokens: list[str], family: str, seed: int) -> bool:
+    """A token is a verdict, STALE, or `field=value` as the case's repr spells it."""
+    fields = [t for t in tokens if "=" in t]
+    if any(f"{t}," in record["case"] or f"{t})" in record["case"] for t in fields):
+        return True
+    if record["verdict"] in tokens:
+        return True
+    return STALE in tokens and _draw_changed(record, family, seed)
+
+
 def _recheck(args, family: str, records: list[dict], revision: str, deadline) -> None:
-    """Run again, on this revision, every recorded case whose verdict is in --recheck (after
-    a fix, or a fix of the oracle), and with STALE every case drawn differently today (after
-    a generator change); the new record replaces the old one."""
+    """Run again, on this revision, the recorded cases --recheck names: by verdict (after a
+    fix, or a fix of the oracle), STALE (drawn differently today: after a generator change)
+    or a case field (`share=True`: after a change to a guard); the new record replaces
+    the old one."""
     state = _state_file(args.state_dir, family, args.seed)
     for position, old in enumerate(records):
-        stale = STALE in args.recheck and _draw_changed(old, family, args.seed)
-        if old["verdict"] not in args.recheck and not stale:
+        if not _to_recheck(old, args.recheck, family, args.seed):
             continue
         if deadline is not None and time.monotonic() > deadline:
             return
@@ -314,9 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         "--recheck",
         nargs="+",
         default=[],
-        metavar="VERDICT",
+        metavar="VERDICT|stale|FIELD=VALUE",
         help="first run again the recorded cases with these verdicts (after a fix);"
-        f" {STALE!r}: the cases drawn differently since (after a generator change)",
+        f" {STALE!r}: the cases drawn differently since (after a generator change);"
+        " FIELD=VALUE: the cases with that field, as their repr spells it (share=True)",
     )
     parser.add_argument(
         "--jobs",

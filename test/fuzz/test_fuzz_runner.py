@@ -287,3 +287,15 @@ for index in range(120):
     ]
     assert drawn[0].count("ScalarMulCase") == 120
     assert drawn[0] == drawn[1]
+
+
+def test_recheck_by_a_case_field_runs_again_the_cases_the_repr_shows_it_in(fuzz):
+    record = {
+        "index": 0,
+        "verdict": "ok",
+        "case": "ScalarMulCase(seed=3, share=True, state='none')",
+    }
+    assert fuzz._to_recheck(record, ["share=True"], "scalar_mul", 0)
+    assert fuzz._to_recheck(record, ["state='none'"], "scalar_mul", 0)
+    assert not fuzz._to_recheck(record, ["share=False", "wrong"], "scalar_mul", 0)
+    assert not fuzz._to_recheck(record, ["seed=30"], "scalar_mul", 0)

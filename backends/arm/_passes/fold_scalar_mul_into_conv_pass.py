@@ -27,8 +27,10 @@ pipeline (FP profile). W', b * s are new constants named from their source and a
 digest of s; the sources are removed only once nothing reads them, and no
 existing tensor is written (the annotation pipeline's tensors are the user's).
 Before calibration it declines a conv whose product another conv also computes
-(same input, same weight): quantized, the two round alike and a later sum of
-their scalings cancels that rounding, which separate folded weights would not.
+(same input, same weight), unless the two scaled products are added (or
+subtracted) with every channel's scales keeping its sign: quantized, the twins
+round alike, and where their combination cancels, that shared rounding cancels
+with it, which separately folded weights would lose.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from etfold.backends.arm._passes.graph_utils import (
     fresh_constant_name,
     is_inference_noop,
     is_layout,
-    twin_layer,
+    twin_layers,
 )
 from etfold.decisions import Declined
 from etfold.exir.passes.graph_walk import tensor_digest
@@ -117,8 +119,9 @@ SCALE_NOT_CHANNELWISE = "scale broadcasts along a non-channel dimension"
 CHANGES_OUTPUT = "mul changes the conv output's shape or dtype"
 TWIN_BEFORE_CALIBRATION = (
     "another conv computes the same product (same input, same weight): quantized, the"
-    " two round alike, so errors cancel where their results are combined; a scale folded"
-    " into one alone would give each its own rounding"
+    " two round alike, and their scaled results are not one sum that keeps each"
+    " channel's sign, so that shared rounding may cancel, which separately folded"
+    " weights would lose"
 )
 WEIGHT_BELOW_SCALE_FLOOR = (
     "folding shrinks a channel's weights below the smallest int8 weight scale Arm's"
@@ -134,6 +137,14 @@ NOT_QUANTIZED_LAYER = (
     "{op} is not annotated by the Arm quantizer (it has no int8 pattern, so it stays "
     "outside the delegate in float): there is no quantized layer to fold into"
 )
+
+# how an add or sub combines its two operands: +1 adds them, -1 subtracts one
+_COMBINE_SIGNS = {
+    torch.ops.aten.add.Tensor: 1,
+    exir_ops.edge.aten.add.Tensor: 1,
+    torch.ops.aten.sub.Tensor: -1,
+    exir_ops.edge.aten.sub.Tensor: -1,
+}
 
 _MULS = {
     torch.ops.aten.mul.Tensor,
@@ -413,6 +424,42 @@ class FoldScalarMulIntoConvPass(ArmPass):
             return None
         return tensor
 
+    def _scaled_twin(self, twin: Node, program) -> tuple[Node, torch.Tensor] | None:
+        """(the twin's product, its finite scale): its single reader when that is a
+        constant multiply straight on it, else the twin itself with scale 1."""
+        if len(twin.users) != 1:
+            return None
+        reader = next(iter(twin.users))
+        if not (reader.op == "call_function" and reader.target in _MULS):
+            return twin, torch.ones((), dtype=torch.float64)
+        found = layer_operand(reader)
+        if found is None or found[0] is not twin or found[1]:
+            return None
+        scale = self._scale_tensor(found[2], program)
+        return (reader, scale) if scale is not None and is_finite(scale) else None
+
+    def _twins_add_up(self, mul: Node, conv: Node, chain, scale: torch.Tensor, program) -> bool:
+        """True without a twin; with one, whether its product and this one meet in one add
+        (or sub) where every channel's two scales keep their sign, so the rounding the
+        two share adds up instead of cancelling and separate roundings are no worse."""
+        twins = twin_layers(conv)
+        if not twins:
+            return True
+        scaled = self._scaled_twin(twins[0], program) if len(twins) == 1 and not chain else None
+        if scaled is None or len(mul.users) != 1:
+            return False
+        twin_product, twin_scale = scaled
+        combine = next(iter(mul.users))
+        sign = _COMBINE_SIGNS.get(combine.target)
+        meet = set(combine.args[:2]) == {mul, twin_product} and len(twin_product.users) == 1
+        if sign is None or not meet or combine.kwargs.get("alpha", 1) != 1:
+            return False
+        try:  # both broadcast against the conv output, so elementwise is per channel
+            products = scale.detach().double() * twin_scale.detach().double()
+        except RuntimeError:
+            return False
+        return bool((sign * products > 0).all())
+
     def match(
         self, mul: Node, region: frozenset[Node], program: ExportedProgram | None
     ) -> ConvScaleMatch | Declined | None:
@@ -442,8 +489,6 @@ class FoldScalarMulIntoConvPass(ArmPass):
             return Declined(WEIGHT_NOT_CONSTANT)
         if not is_float_conv(self, conv, mul, weight_tensor):
             return Declined(QUANTIZED)
-        if self.is_tfa_pass and twin_layer(conv) is not None:
-            return Declined(TWIN_BEFORE_CALIBRATION)
         bias = _arg(conv, BIAS_INDEX, "bias")
         if bias is not None and not isinstance(bias, Node):
             return Declined(BIAS_NOT_CONSTANT)
@@ -458,6 +503,8 @@ class FoldScalarMulIntoConvPass(ArmPass):
             return Declined(SCALE_NOT_FINITE)
         if carried and not is_positive_power_of_two(scale_tensor):
             return Declined(CARRIED_STATE_NOT_POWER_OF_TWO)
+        if self.is_tfa_pass and not self._twins_add_up(mul, conv, chain, scale_tensor, program):
+            return Declined(TWIN_BEFORE_CALIBRATION)
         transposed = signature.is_transposed(conv)
         groups = 1 if signature is _LINEAR else int(_arg(conv, signature.groups_index, "groups", 1))
         out_channels = _out_channels(weight_tensor, transposed, groups)

@@ -142,11 +142,12 @@ def _same_tensor(a, b) -> bool:
     return both_attrs and a.target == b.target
 
 
-def twin_layer(layer: Node) -> Node | None:
-    """Another call of `layer`'s op on the same input and the same weight, with the same
-    stride, padding and groups (the bias may differ): the same product computed twice."""
+def twin_layers(layer: Node) -> list[Node]:
+    """Other calls of `layer`'s op on the same input and the same weight, with the same
+    stride, padding and groups (the bias may differ): the same product computed again."""
     if len(layer.args) < 2 or not isinstance(layer.args[0], Node):
-        return None
+        return []
+    twins = []
     for other in layer.args[0].users:
         if other is layer or other.target != layer.target or len(other.args) < 2:
             continue
@@ -157,8 +158,8 @@ def twin_layer(layer: Node) -> Node | None:
             other.args[1], layer.args[1]
         )
         if same_layout and same_operands:
-            return other
-    return None
+            twins.append(other)
+    return twins
 
 
 def _mutating_write_destination(node: Node) -> Node | None:

@@ -191,12 +191,12 @@ def test_wide_dynamic_range_per_channel_scale_is_no_worse_than_unfolded():
 
 
 class SharedWeight(torch.nn.Module):
-    """Two convs reading one weight, scaled differently; the second reads `x` mirrored,
-    or, with `twin`, `x` itself (one product computed twice)."""
+    """Two convs reading one weight, scaled differently and then added (or subtracted);
+    the second reads `x` mirrored, or, with `twin`, `x` itself (one product twice)."""
 
-    def __init__(self, twin: bool = False):
+    def __init__(self, twin: bool = False, scales=(2.0, 5.0), subtract: bool = False):
         super().__init__()
-        self.twin = twin
+        self.twin, self.scales, self.subtract = twin, scales, subtract
         self.a = torch.nn.Conv2d(3, 8, 3, padding=1)
         self.b = torch.nn.Conv2d(3, 8, 3, padding=1)
         self.b.weight = self.a.weight
@@ -204,35 +204,38 @@ class SharedWeight(torch.nn.Module):
     def second_input(self, x):
         return x if self.twin else x.flip(-1)
 
+    def combine(self, left, right):
+        return left - right if self.subtract else left + right
+
     def forward(self, x):
-        return self.a(x) * 2.0 + self.b(self.second_input(x)) * 5.0
+        left, right = self.a(x), self.b(self.second_input(x))
+        if self.scales is not None:
+            left, right = left * self.scales[0], right * self.scales[1]
+        return self.combine(left, right)
 
     def hand_folded(self) -> torch.nn.Module:
-        class Folded(torch.nn.Module):
-            def __init__(self, a, b, second_input):
-                super().__init__()
-                self.a, self.b, self.second_input = a, b, second_input
-
-            def forward(self, x):
-                return self.a(x) + self.b(self.second_input(x))
-
-        a, b = copy.deepcopy(self.a), copy.deepcopy(self.b)
-        b.weight = torch.nn.Parameter(self.a.weight.detach().clone())
+        """The same model with each scale multiplied into its own fp32 copy of the weight."""
+        folded = copy.deepcopy(self)
+        folded.b.weight = torch.nn.Parameter(self.a.weight.detach().clone())
         with torch.no_grad():
-            for conv, s in ((a, 2.0), (b, 5.0)):
+            for conv, s in zip((folded.a, folded.b), self.scales, strict=True):
                 conv.weight.mul_(s)
                 conv.bias.mul_(s)
-        return Folded(a, b, self.second_input).eval()
+        folded.scales = None
+        return folded.eval()
 
 
-def _shared(twin: bool = False):
+def _shared(**kwargs):
     torch.manual_seed(0)
-    return SharedWeight(twin).eval(), (torch.randn(1, 3, 8, 8),)
+    return SharedWeight(**kwargs).eval(), (torch.randn(1, 3, 8, 8),)
 
 
+@pytest.mark.parametrize("twin", [False, True], ids=["mirrored_input", "twin"])
 @pytest.mark.parametrize("profile", [INT, FP])
-def test_shared_weight_folds_each_conv_with_its_own_scale(profile):
-    model, inputs = _shared()
+def test_shared_weight_folds_each_conv_with_its_own_scale(profile, twin):
+    """Twins whose scaled products are summed with same-sign scales fold too: their
+    shared rounding adds up, it does not cancel."""
+    model, inputs = _shared(twin=twin)
     with collect_decisions() as journal:
         folded = lower(model, inputs, profile, "etfold")
     assert folded.operator_counts()["MUL"] == 0
@@ -248,23 +251,27 @@ def test_shared_weight_folds_each_conv_with_its_own_scale(profile):
         torch.testing.assert_close(out, eager_outputs(model, inputs)[0], atol=1e-4, rtol=1e-5)
 
 
-def test_twin_convs_keep_their_scales_before_calibration():
-    """Quantized, a conv computed twice rounds alike in both places (one weight
-    rounding, the same output codes), so a sum of its two scalings cancels that error;
-    folding a scale into one copy would round each on its own. INT declines both and
+@pytest.mark.parametrize(
+    "scales, subtract",
+    [((2.0, -5.0), False), ((2.0, 5.0), True)],
+    ids=["opposite_signs_added", "same_signs_subtracted"],
+)
+def test_twins_whose_products_cancel_keep_their_scales_before_calibration(scales, subtract):
+    """Quantized, a conv computed twice rounds alike in both places (one weight rounding,
+    the same output codes); where the two scaled products cancel, so does that rounding,
+    and folding a scale into each would round each on its own. INT declines both and
     matches the unfolded lowering code for code."""
-    model, inputs = _shared(twin=True)
+    model, inputs = _shared(twin=True, scales=scales, subtract=subtract)
     with collect_decisions() as journal:
         folded = lower(model, inputs, INT, "etfold")
-    reasons = {d.detail for d in mine(journal) if not d.applied}
-    assert reasons == {fold.TWIN_BEFORE_CALIBRATION}
+    assert {d.detail for d in mine(journal) if not d.applied} == {fold.TWIN_BEFORE_CALIBRATION}
     assert not any(d.applied for d in mine(journal))
     unfolded = lower(model, inputs, INT, "unfolded")
     assert max_code_difference(folded.run(*inputs), unfolded.run(*inputs)) == 0
 
 
-def test_twin_convs_fold_exactly_in_float():
-    model, inputs = _shared(twin=True)
+def test_cancelling_twins_fold_exactly_in_float():
+    model, inputs = _shared(twin=True, scales=(2.0, -5.0))
     with collect_decisions() as journal:
         folded = lower(model, inputs, FP, "etfold")
     assert sum(d.applied for d in mine(journal)) == 2
