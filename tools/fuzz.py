@@ -202,6 +202,11 @@ def run_one(family: str, seed: int, index: int, timeout: int) -> dict:
 STALE = "stale"  # --recheck: the cases whose draw changed since they were recorded
 
 
+def _spells(case_repr: str, field_token: str) -> bool:
+    """`case_repr` has the field `name=value` exactly (not as the prefix of a longer value)."""
+    return f"{field_token}," in case_repr or f"{field_token})" in case_repr
+
+
 def _draw_changed(record: dict, family: str, seed: int) -> bool:
     """The recorded case is not the one drawn today. A field the record predates counts as
     its default, so adding a field with a default leaves the cases that keep it current."""
@@ -211,8 +216,7 @@ def _draw_changed(record: dict, family: str, seed: int) -> bool:
     recorded = record["case"]
     for field in dataclasses.fields(case):
         value = getattr(case, field.name)
-        token = f"{field.name}={value!r}"
-        if f"{token}," in recorded or f"{token})" in recorded:
+        if _spells(recorded, f"{field.name}={value!r}"):
             continue
         if f"{field.name}=" not in recorded and value == field.default:
             continue
@@ -222,8 +226,7 @@ def _draw_changed(record: dict, family: str, seed: int) -> bool:
 
 def _to_recheck(record: dict, tokens: list[str], family: str, seed: int) -> bool:
     """A token is a verdict, STALE, or `field=value` as the case's repr spells it."""
-    fields = [t for t in tokens if "=" in t]
-    if any(f"{t}," in record["case"] or f"{t})" in record["case"] for t in fields):
+    if any(_spells(record["case"], t) for t in tokens if "=" in t):
         return True
     if record["verdict"] in tokens:
         return True
