@@ -14,11 +14,15 @@ upstream's preprocess with the same arguments, so stock lowering serializes
 byte-identically. `XNNConvertVisitor` enters upstream's node-visitor registry
 under a target that only marked delegates contain.
 
-The install is held, never left behind: etfold's partitioner takes one hold per
-marked partition it returns, and the wrapper gives each back once that
-partition is preprocessed; etfold's `to_edge_transform_and_lower` also gives
-back, when it returns or raises, every hold taken during its call. When the
-last hold goes, upstream is restored exactly. Nothing happens at import.
+The install is held, never left behind. etfold's partitioner takes one hold per
+marked partition it returns, on a ledger tied to the program it partitioned:
+the wrapper gives one back as each marked partition is preprocessed; when a
+preprocess raises, the lowering is over and every ledger of its context goes;
+when the lowering raises anywhere else, the ledger goes with the partitioned
+program (at the latest when the garbage collector takes it: the graph holds
+reference cycles), and at once when the lowering went through etfold's
+`to_edge_transform_and_lower`, whose scope closes the ledgers opened during it.
+When the last hold goes, upstream is restored exactly. Nothing happens at import.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import contextlib
 import contextvars
 import inspect
 import threading
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from executorch.backends.xnnpack._passes.channels_last_tagged_reshape_pass import (
     ChannelsLastTaggedReshapePass,
@@ -46,6 +52,7 @@ from etfold.backends.xnnpack._passes.rewrite_dtype_copies_as_converts_pass impor
     RewriteDtypeCopiesAsConvertsPass,
 )
 from etfold.backends.xnnpack.operators.op_convert import XNNConvertVisitor
+from etfold.exir.program.lowering_scopes import register_lowering_scope
 
 DTYPE_CONVERTS_SPEC = CompileSpec("etfold.dtype_converts", b"1")
 
@@ -57,9 +64,18 @@ _upstream: dict[str, staticmethod] = {}
 _lock = threading.RLock()
 _holds = 0
 _installed_by_holds = False  # False when install() was called directly: holds leave it be
-# holds taken inside one etfold lowering call and not yet given back: [count]
-_call_holds: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
-    "etfold_xnnpack_call_holds", default=None
+
+
+@dataclass(eq=False)
+class Ledger:
+    """The holds taken for one partitioned program that are not given back yet."""
+
+    left: int
+
+
+# the open ledgers of this context (one thread's lowering), oldest first
+_ledgers: contextvars.ContextVar[list[Ledger] | None] = contextvars.ContextVar(
+    "etfold_xnnpack_ledgers", default=None
 )
 
 
@@ -85,9 +101,12 @@ def _marked_preprocess(edge_program, compile_specs):
                 scope.enter_context(last_axis_ops_read_nchw())
             if _wants_dtype_converts(compile_specs):
                 RewriteDtypeCopiesAsConvertsPass()(edge_program.graph_module)
-            return _marked_preprocess.upstream(edge_program, compile_specs)
-    finally:
-        release()
+            result = _marked_preprocess.upstream(edge_program, compile_specs)
+    except BaseException:
+        _close_all(_ledgers.get())  # the lowering this preprocess belongs to is over
+        raise
+    _give_back_one()
+    return result
 
 
 def _registry() -> dict:
@@ -174,9 +193,6 @@ def acquire(count: int = 1) -> None:
             _installed_by_holds = not is_installed()
         install()  # idempotent; puts back a wrapper a direct uninstall() dropped
         _holds += count
-    taken = _call_holds.get()
-    if taken is not None:
-        taken[0] += count
 
 
 def release(count: int = 1) -> None:
@@ -189,26 +205,69 @@ def release(count: int = 1) -> None:
         _holds -= count
         if _holds == 0 and _installed_by_holds:
             uninstall()
-    taken = _call_holds.get()
-    if taken is not None:
-        taken[0] = max(0, taken[0] - count)
 
 
 def holds() -> int:
     return _holds
 
 
+def hold_for(program: object, count: int) -> Ledger:
+    """`count` holds for the partitions of `program`, given back as they are preprocessed,
+    or all at once when the lowering raises or `program` is gone."""
+    ledger = Ledger(count)
+    if count <= 0:
+        return ledger
+    acquire(count)
+    with _lock:
+        open_ledgers = _ledgers.get()
+        if open_ledgers is None:
+            open_ledgers = []
+            _ledgers.set(open_ledgers)
+        open_ledgers.append(ledger)
+    weakref.finalize(program, _close, ledger, open_ledgers)
+    return ledger
+
+
+def _close(ledger: Ledger, open_ledgers: list[Ledger]) -> None:
+    with _lock:
+        left, ledger.left = ledger.left, 0
+        if ledger in open_ledgers:
+            open_ledgers.remove(ledger)
+        release(left)
+
+
+def _close_all(open_ledgers: list[Ledger] | None) -> None:
+    for ledger in list(open_ledgers or ()):
+        _close(ledger, open_ledgers)
+
+
+def _give_back_one() -> None:
+    """One marked partition was preprocessed: one hold of the oldest open ledger goes."""
+    with _lock:
+        open_ledgers = _ledgers.get() or []
+        ledger = next((entry for entry in open_ledgers if entry.left), None)
+        if ledger is None:
+            return
+        ledger.left -= 1
+        if not ledger.left:
+            open_ledgers.remove(ledger)
+        release(1)
+
+
 @contextlib.contextmanager
 def holds_released_on_exit() -> Iterator[None]:
-    """Around one lowering call: the holds its partitions took and its preprocess
-    calls did not give back (the lowering raised, or never preprocessed) go too."""
-    token = _call_holds.set([0])
+    """Around one lowering call: the ledgers opened during it close when it returns or
+    raises, whatever its partitions' preprocess calls did not give back."""
+    token = _ledgers.set([])
     try:
         yield
     finally:
-        left = _call_holds.get()[0]
-        _call_holds.reset(token)
-        release(left)
+        opened = _ledgers.get()
+        _ledgers.reset(token)
+        _close_all(opened)
+
+
+register_lowering_scope(holds_released_on_exit)
 
 
 @contextlib.contextmanager

@@ -9,14 +9,18 @@
 Same signature as upstream's. It lowers working copies of the user's programs
 (graph, metadata and signature copied; tensors shared), so the user's
 `ExportedProgram`s come back exactly as they went in. Before deferring to
-upstream it applies each marking step in `MARKING_STEPS` to the method -> copy
-dict, so pre-decomposition hooks (which see one method) know what other
-methods do. Whatever etfold installed into upstream for this lowering is gone
-when the call returns or raises. The returned manager checks the external
-constant map at `to_executorch()`.
+upstream it marks the copies (`mark_for_lowering`: each step in
+`MARKING_STEPS`, over every method at once), so pre-decomposition hooks, which
+see one method, know what the other methods do; a partitioner lowered through
+upstream's entry point computes the same marks itself. The scopes backends
+register (`lowering_scopes`) are entered around the call, so whatever a
+backend installed into upstream for it is gone when it returns or raises. The
+returned manager checks the external constant map at `to_executorch()`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from executorch.exir import EdgeProgramManager
 from executorch.exir import to_edge_transform_and_lower as _upstream_to_edge_transform_and_lower
@@ -24,9 +28,11 @@ from torch.export import ExportedProgram
 
 from etfold.exir.emit.external_constants import check_external_constant_names
 from etfold.exir.program.buffer_marks import mark_buffer_fold_blockers
+from etfold.exir.program.lowering_scopes import lowering_scopes
 from etfold.exir.program.method_marks import (
     MarkingStep,
     mark_constants_shared_across_methods,
+    mark_methods,
 )
 from etfold.exir.program.working_copy import copy_for_rewrite
 
@@ -35,6 +41,11 @@ MARKING_STEPS: tuple[MarkingStep, ...] = (
     mark_constants_shared_across_methods,
     mark_buffer_fold_blockers,
 )
+
+
+def mark_for_lowering(programs: Mapping[str, ExportedProgram]) -> None:
+    """Every marking step over the methods of one lowering (etfold's copies, never the user's)."""
+    mark_methods(programs, MARKING_STEPS)
 
 
 class CheckedEdgeProgramManager(EdgeProgramManager):
@@ -79,9 +90,8 @@ def to_edge_transform_and_lower(
         method: copy_for_rewrite(program) if isinstance(program, ExportedProgram) else program
         for method, program in by_method.items()
     }
-    for step in MARKING_STEPS:
-        step(copies)
-    with _installs_scoped_to_this_call():
+    mark_for_lowering(copies)
+    with lowering_scopes():
         manager = _upstream_to_edge_transform_and_lower(
             copies if isinstance(programs, dict) else copies["forward"],
             transform_passes=transform_passes,
@@ -91,9 +101,3 @@ def to_edge_transform_and_lower(
             generate_etrecord=generate_etrecord,
         )
     return CheckedEdgeProgramManager.adopt(manager)
-
-
-def _installs_scoped_to_this_call():
-    from etfold.backends.xnnpack.install import holds_released_on_exit
-
-    return holds_released_on_exit()

@@ -46,3 +46,19 @@ def mark_constants_shared_across_methods(programs: Mapping[str, ExportedProgram]
 
 
 MarkingStep = Callable[[Mapping[str, ExportedProgram]], None]
+
+
+METHODS_JUDGED = "etfold_methods_judged"  # graph_module.meta: the marking steps ran on this program
+
+
+def mark_methods(programs: Mapping[str, ExportedProgram], steps: tuple[MarkingStep, ...]) -> None:
+    """Apply each marking step, in order, to every method of one lowering; each program's
+    `graph_module.meta[METHODS_JUDGED]` then says its marks are computed."""
+    for step in steps:
+        step(programs)
+    for program in programs.values():
+        program.graph_module.meta[METHODS_JUDGED] = True
+
+
+def methods_judged(program: ExportedProgram) -> bool:
+    return bool(program.graph_module.meta.get(METHODS_JUDGED, False))

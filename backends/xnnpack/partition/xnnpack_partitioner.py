@@ -40,7 +40,7 @@ from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import (
     shape_ops_as_views,
 )
 from etfold.backends.xnnpack._passes.widen_half_precision_ops_pass import widen_half_precision_ops
-from etfold.backends.xnnpack.install import DTYPE_CONVERTS_SPEC, acquire, is_marked
+from etfold.backends.xnnpack.install import DTYPE_CONVERTS_SPEC, hold_for, is_marked
 from etfold.backends.xnnpack.partition.bf16_delegation import (
     bf16_applies,
     bf16_scope,
@@ -53,6 +53,10 @@ from etfold.backends.xnnpack.partition.shape_op_partitions import settle_shape_o
 from etfold.backends.xnnpack.partition.weight_fold import fold_gemm_weights, seed_slots
 from etfold.decisions import record_declined
 from etfold.exir.passes.inline_autocast_regions_pass import inline_autocast_regions
+from etfold.exir.program.lower import mark_for_lowering
+from etfold.exir.program.method_marks import methods_judged
+from etfold.exir.program.upstream_lowering import upstream_lowering_in_progress
+from etfold.exir.program.working_copy import copy_for_rewrite
 
 LAYOUT_FOLD = "xnnpack.constant_layout"
 REPEATED_OUTPUT_FOLD = "xnnpack.repeated_output"
@@ -85,6 +89,7 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
     # ---- weight fold: parameter-only GEMM weights become static before partitioning
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
         exported_program = super().transform_for_pre_decomposition(exported_program)
+        exported_program = self._judged_across_methods(exported_program)
         if self.fold_weights or self.delegate_dtype_converts:
             exported_program = inline_autocast_regions(exported_program)
         if self.delegate_dtype_converts:
@@ -96,6 +101,23 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
                 exported_program, slots, self._decomposition_table(exported_program)
             )
         return self._shape_ops_as_views(exported_program)
+
+    @staticmethod
+    def _judged_across_methods(exported_program: ExportedProgram) -> ExportedProgram:
+        """Inside upstream's `to_edge_transform_and_lower`, the marks etfold's entry point
+        computes (which buffers another method writes, which constants several read),
+        computed here on copies from every method of the call: the user's programs are
+        only read. Already marked, or outside a lowering: the program as it came."""
+        lowering = upstream_lowering_in_progress()
+        if lowering is None or methods_judged(exported_program):
+            return exported_program
+        judged = copy_for_rewrite(exported_program)
+        copies = {
+            method: judged if method == lowering.method else copy_for_rewrite(program)
+            for method, program in lowering.programs.items()
+        }
+        mark_for_lowering(copies)
+        return judged
 
     def _shape_ops_as_views(self, exported_program: ExportedProgram) -> ExportedProgram:
         # per-op mode draws one delegate per op: a squeeze or unsqueeze would join none
@@ -161,9 +183,10 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
 
     @staticmethod
     def _held_until_preprocessed(result: PartitionResult) -> PartitionResult:
-        """A marked partition must never reach an unwrapped preprocess: one install
-        hold per marked partition, given back by the wrapper once it is preprocessed."""
-        acquire(sum(is_marked(spec.compile_specs) for spec in result.partition_tags.values()))
+        """A marked partition must never reach an unwrapped preprocess: one install hold
+        per marked partition, on a ledger tied to the partitioned program (see install)."""
+        marked = sum(is_marked(spec.compile_specs) for spec in result.partition_tags.values())
+        hold_for(result.tagged_exported_program, marked)
         return result
 
     def _mark_layout_guard_partitions(self, result: PartitionResult) -> PartitionResult:
