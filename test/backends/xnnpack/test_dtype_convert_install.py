@@ -9,6 +9,7 @@ and invisible to stock lowering (byte-identical programs)."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
 )
 from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 from executorch.exir import EdgeCompileConfig
+from executorch.exir import to_edge_transform_and_lower as upstream_lower
 
 from etfold.backends.xnnpack import XnnpackPartitioner, install
 from etfold.backends.xnnpack._passes.dtype_convert_match import CONVERT_TARGET
@@ -123,6 +125,72 @@ def test_holds_taken_by_a_lowering_that_raises_are_given_back(pristine):
         etfold_lower(program, partitioner=[Failing(fold_weights=False)])
     assert not install.is_installed() and install.holds() == 0
     assert inspect.getattr_static(XnnpackBackend, "preprocess") is pristine[0]
+
+
+class TwoHalves(torch.nn.Module):
+    """Two converts split by a portable op: two marked partitions."""
+
+    def forward(self, x):
+        return torch.cumsum(x.half(), 0).float().half()
+
+
+def _untouched(preprocess) -> bool:
+    return (
+        not install.is_installed()
+        and install.holds() == 0
+        and inspect.getattr_static(XnnpackBackend, "preprocess") is preprocess
+        and XNNConvertVisitor.target not in node_visitor._node_visitor_dict
+    )
+
+
+def test_upstream_lowering_that_raises_after_partitioning_leaves_upstream_as_it_was(pristine):
+    """Through upstream's entry point nothing of etfold's runs after partition(): the
+    holds go with the partitioned program, which the failed lowering drops."""
+    program = torch.export.export(TwoHalves(), (torch.randn(2, 3),))
+
+    class Failing(XnnpackPartitioner):
+        def partition(self, exported_program):
+            super().partition(exported_program)
+            assert install.is_installed() and install.holds() == 2
+            raise RuntimeError("planted")
+
+    with pytest.raises(RuntimeError, match="planted"):
+        upstream_lower(program, partitioner=[Failing(fold_weights=False)])
+    gc.collect()  # the partitioned graph holds reference cycles
+    assert _untouched(pristine[0])
+
+
+def test_a_preprocess_that_raises_gives_back_every_hold_of_its_lowering(pristine, monkeypatch):
+    """The first of two marked partitions fails in preprocess: the lowering is over, the
+    second's hold goes too, at once (no collection needed)."""
+    program = torch.export.export(TwoHalves(), (torch.randn(2, 3),))
+
+    def planted(self, graph_module):
+        assert install.holds() == 2
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(install.RewriteDtypeCopiesAsConvertsPass, "__call__", planted)
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError, match="planted"):
+            upstream_lower(program, partitioner=[XnnpackPartitioner(fold_weights=False)])
+        assert _untouched(pristine[0])
+    finally:
+        gc.enable()
+
+
+def test_upstream_lowering_gives_back_its_holds_without_a_collection(pristine):
+    x = torch.randn(2, 3)
+    gc.disable()
+    try:
+        program, expected = lower_module_xnnpack(
+            TwoHalves(), (x,), [XnnpackPartitioner(fold_weights=False)]
+        )
+        assert _untouched(pristine[0])
+    finally:
+        gc.enable()
+    assert program.delegates() == 2
+    assert torch.equal(program.run(x)[0], expected[0])
 
 
 def test_holds_from_concurrent_threads_never_race_the_install(pristine):
