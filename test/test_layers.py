@@ -5,7 +5,10 @@
 # LICENSE file in the root directory of this source tree.
 
 """The layers of CONTRIBUTING.md ("The shape of the code"): a module imports only
-from its own layer or the layers below it, lazy imports inside functions included."""
+from its own layer or the layers below it, lazy imports inside functions included.
+Beside the layers: `exir/` never imports a backend (backends plug into its
+registries), sibling backends never import each other, and `tools/` and
+`bench/` never import from `test/`."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("backends", "exir", "etfold")
+PACKAGES = ("backends", "exir", "etfold", "tools", "bench")
+BACKENDS = ("etfold.backends.arm", "etfold.backends.xnnpack")
 
 # (layer, module prefixes), lowest first; the longest matching prefix decides.
 LAYERS = (
@@ -77,6 +81,10 @@ def layer_of(module: str) -> int | None:
 
 
 def _imports(path: Path, module: str) -> set[str]:
+    return {name for name in _all_imports(path, module) if name.startswith("etfold.")}
+
+
+def _all_imports(path: Path, module: str) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -88,7 +96,7 @@ def _imports(path: Path, module: str) -> set[str]:
             elif node.module:
                 found.add(node.module)
                 found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in found if name.startswith("etfold.")}
+    return found
 
 
 def _sources():
@@ -112,3 +120,48 @@ def test_every_module_imports_only_its_layer_and_below():
 
 def test_every_module_has_a_layer():
     assert all(layer_of(_module_name(path)) is not None for path in _sources())
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_exir_imports_no_backend():
+    found = [
+        f"{module} imports {imported}"
+        for path in sorted((ROOT / "exir").rglob("*.py"))
+        for module in [_module_name(path)]
+        for imported in _imports(path, module)
+        if _within(imported, "etfold.backends")
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_sibling_backends_never_import_each_other():
+    found = []
+    for path in sorted((ROOT / "backends").rglob("*.py")):
+        module = _module_name(path)
+        own = next((b for b in BACKENDS if _within(module, b)), None)
+        for imported in _imports(path, module):
+            theirs = next((b for b in BACKENDS if _within(imported, b)), None)
+            if own is not None and theirs is not None and theirs != own:
+                found.append(f"{module} imports {imported}")
+    assert not found, "\n".join(found)
+
+
+def _test_modules() -> set[str]:
+    return {"test"} | {p.stem for p in (ROOT / "test").rglob("*.py") if p.stem != "__init__"}
+
+
+def test_tools_and_bench_import_nothing_from_test():
+    test_modules, found = _test_modules(), []
+    for package in ("tools", "bench"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            module = _module_name(path)
+            for imported in _all_imports(path, module):
+                if imported.split(".")[0] in test_modules:
+                    found.append(f"{path.relative_to(ROOT)} imports {imported}")
+            for line in path.read_text().splitlines():
+                if "sys.path" in line and "test" in line:
+                    found.append(f"{path.relative_to(ROOT)} puts test/ on sys.path")
+    assert not found, "\n".join(found)

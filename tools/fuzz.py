@@ -7,7 +7,7 @@
 """The long differential fuzzing profile: `make fuzz` (or `python tools/fuzz.py`).
 
 Draws cases for the four fold families from the strategies in
-test/fuzz/fuzz_strategies.py, runs each through `etfold.harness.differential`
+`etfold.harness.fuzz_strategies`, runs each through `etfold.harness.differential`
 (stock ExecuTorch vs etfold on the real runtimes) and prints one summary line
 per family: cases, wrong, crashes (etfold only / both), mutations, timeouts.
 
@@ -35,8 +35,6 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "test" / "fuzz"))
-
 FAMILY_NAMES = ("weight_fold", "converts", "scalar_mul", "dyt")
 
 
@@ -89,9 +87,10 @@ def _provider_blind_to_source_constants():
 
 def draw_case(family: str, seed: int, index: int):
     """Case `index` of `family` for `seed`: the same case on every run, in any process."""
-    import fuzz_strategies
     from hypothesis.control import BuildContext
     from hypothesis.internal.conjecture.data import ConjectureData
+
+    from etfold.harness import fuzz_strategies
 
     digest = hashlib.sha256(f"{seed}:{family}:{index}".encode()).digest()
     data = ConjectureData(

@@ -8,7 +8,8 @@
 
 A case is a frozen dataclass of plain values (printable, so a failing case is
 its own repro); `build(case)` turns it into a seeded module, its inputs and a
-call schedule. The hypothesis strategies that draw cases live in `test/fuzz/`;
+call schedule. The hypothesis strategies that draw cases are
+`etfold.harness.fuzz_strategies`;
 the runner that lowers them with stock ExecuTorch and etfold is
 `etfold.harness.differential`.
 

@@ -11,9 +11,9 @@ runtime; `etfold.harness.differential` judges it (see its docstring for the
 oracles). CI runs the derandomized "ci" profile; tools/fuzz.py runs the long one.
 """
 
-import fuzz_strategies as strategies
 from hypothesis import event, example, given, settings
 
+from etfold.harness import fuzz_strategies as strategies
 from etfold.harness.differential import failure_message, run_case
 from etfold.harness.generated import ScalarMulCase
 

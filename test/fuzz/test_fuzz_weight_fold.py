@@ -11,10 +11,10 @@ runtime; `etfold.harness.differential` judges it (see its docstring for the
 oracles). CI runs the derandomized "ci" profile; tools/fuzz.py runs the long one.
 """
 
-import fuzz_strategies as strategies
 import pytest
 from hypothesis import event, given, settings
 
+from etfold.harness import fuzz_strategies as strategies
 from etfold.harness.differential import failure_message, run_case
 from etfold.harness.generated import GemmLayer, WeightFoldCase
 
