@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
 import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 from executorch.exir import to_edge_transform_and_lower as upstream_to_edge_transform_and_lower
@@ -201,3 +202,111 @@ def test_the_users_programs_are_unchanged_by_lowering():
     before = {m: _fingerprint(p) for m, p in users.items()}
     to_edge_transform_and_lower(users, partitioner=[EtfoldPartitioner()])
     assert all(_same(before[m], _fingerprint(p)) for m, p in users.items())
+
+
+# ---------------------------------------------------------------- upstream's lowering, seen from a hook
+
+
+class MethodsSeen(XnnpackPartitioner):
+    """Upstream's partitioner noting what a hook learns of the lowering it runs in."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def transform_for_pre_decomposition(self, exported_program):
+        from etfold.exir.program.upstream_lowering import upstream_lowering_in_progress
+
+        lowering = upstream_lowering_in_progress()
+        self.seen.append((lowering.method, sorted(lowering.programs)) if lowering else None)
+        return exported_program
+
+
+def test_a_hook_inside_upstreams_lowering_sees_every_method_and_its_own():
+    model, x = Methods().eval(), torch.randn(2, 8)
+    partitioner = MethodsSeen()
+    upstream_to_edge_transform_and_lower(programs(model, x), partitioner=[partitioner])
+    methods = ["decode", "forward", "score"]
+    assert sorted(partitioner.seen) == [(m, methods) for m in methods]
+
+
+def test_a_hook_called_outside_a_lowering_sees_none():
+    from etfold.exir.program.upstream_lowering import upstream_lowering_in_progress
+
+    assert upstream_lowering_in_progress() is None
+    partitioner = MethodsSeen()
+    partitioner.transform_for_pre_decomposition(
+        export_method(Methods(), "forward", (torch.randn(2, 8),))
+    )
+    assert partitioner.seen == [None]
+
+
+def test_upstream_still_holds_the_lowerings_methods_where_the_hook_reads_them():
+    """Pins the upstream shape `upstream_lowering` relies on."""
+    from executorch.exir.program import _program
+
+    code = _program._gen_edge_manager_for_partitioners.__code__
+    assert {"aten_programs", "name"} <= set(code.co_varnames)
+    assert "_apply_pre_decomposition_transforms" in code.co_names
+
+
+def test_the_etfold_partitioner_marks_a_copy_through_upstreams_entry_point():
+    """Through upstream's entry point the hook gets the user's program: it marks a copy."""
+    from etfold.backends.xnnpack import XnnpackPartitioner as EtfoldPartitioner
+
+    model, x = Methods().eval(), torch.randn(2, 8)
+    users = programs(model, x)
+    before = {m: _fingerprint(p) for m, p in users.items()}
+    seen = []
+
+    class Noting(EtfoldPartitioner):
+        def transform_for_pre_decomposition(self, exported_program):
+            judged = self._judged_across_methods(exported_program)
+            seen.append((judged is not exported_program, marks(judged)))
+            return super().transform_for_pre_decomposition(exported_program)
+
+    upstream_to_edge_transform_and_lower(users, partitioner=[Noting()])
+    shared = {"w": True, "u": True, "v": False, "scale": True}
+    assert seen == [(True, shared)] * 3
+    assert all(_same(before[m], _fingerprint(p)) for m, p in users.items())
+
+
+# ---------------------------------------------------------------- lowering scopes
+
+
+def test_registered_scopes_are_entered_around_the_call_and_left_when_it_raises(monkeypatch):
+    from contextlib import contextmanager
+
+    from etfold.exir.program import lowering_scopes
+
+    events = []
+
+    @contextmanager
+    def scope():
+        events.append("enter")
+        try:
+            yield
+        finally:
+            events.append("exit")
+
+    def failing(programs, **kwargs):
+        events.append("upstream")
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(lowering_scopes, "_scopes", [])
+    lowering_scopes.register_lowering_scope(scope)
+    lowering_scopes.register_lowering_scope(scope)
+    assert lowering_scopes.registered_lowering_scopes() == (scope,)
+    monkeypatch.setattr(lower, "_upstream_to_edge_transform_and_lower", failing)
+    with pytest.raises(RuntimeError, match="planted"):
+        to_edge_transform_and_lower(export_method(Methods(), "forward", (torch.randn(2, 8),)))
+    assert events == ["enter", "upstream", "exit"]
+    lowering_scopes.unregister_lowering_scope(scope)
+    assert lowering_scopes.registered_lowering_scopes() == ()
+
+
+def test_the_xnnpack_install_plugs_its_scope_in():
+    from etfold.backends.xnnpack import install
+    from etfold.exir.program.lowering_scopes import registered_lowering_scopes
+
+    assert install.holds_released_on_exit in registered_lowering_scopes()
