@@ -33,8 +33,9 @@ wrapper drops retired passes and, for passes added with `tfa_pass=True`,
 inserts the "annotation" entries next to their anchor. The same install also
 wraps upstream's (empty) `transform_for_pre_decomposition_pipeline`, the one
 point that sees the whole program before partitioning, to mark values written
-back to buffers or inputs as carried state: a backend pass sees only its
-delegate, where such a write-back looks like an ordinary output. And it wraps
+back to buffers or inputs as carried state (on a copy, which upstream lowers
+from then on: the program it hands in is the user's): a backend pass sees only
+its delegate, where such a write-back looks like an ordinary output. And it wraps
 `EthosUBackend.preprocess` so backend passes can ask which NPU the lowering is
 for (`_passes/lowering_target.py`): some folds pay on one NPU only. That is the
 one place the Ethos-U compile spec is still known; the backend pipeline below
@@ -240,12 +241,25 @@ def _make_add_pass(
     return add_pass
 
 
-def _make_pre_decomposition(original: Callable) -> Callable:
+def _marked_copy(exported_program):
+    """A copy of the program upstream handed in (the user's own) with its write-backs
+    marked as carried state. Every node gets its own `custom` dict: decomposition
+    writes annotations into the dict of the node it is tracing (torch's
+    `fx_traceback.annotate`), and a copied node shares its original's."""
     from etfold.backends.arm._passes.carried_state import mark_write_backs
+    from etfold.exir.program.working_copy import copy_for_rewrite
 
+    working = copy_for_rewrite(exported_program)
+    for node in working.graph.nodes:
+        if "custom" in node.meta:
+            node.meta["custom"] = dict(node.meta["custom"])
+    mark_write_backs(working)
+    return working
+
+
+def _make_pre_decomposition(original: Callable) -> Callable:
     def transform_for_pre_decomposition_pipeline(self, exported_program):
-        mark_write_backs(exported_program)
-        return original(self, exported_program)
+        return original(self, _marked_copy(exported_program))
 
     transform_for_pre_decomposition_pipeline.__etfold_wrapped__ = original  # type: ignore[attr-defined]
     return transform_for_pre_decomposition_pipeline

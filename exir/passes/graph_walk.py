@@ -113,48 +113,140 @@ def _nodes_in(value) -> list[torch.fx.Node]:
     return found
 
 
-def _aliased_input(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The input whose storage `node`'s result aliases (a view), if any."""
-    if node.op != "call_function":
-        return None
-    if node.target is operator.getitem:
-        source = node.args[0]
-        return source if isinstance(source, torch.fx.Node) else None
-    schema = getattr(underlying_op(node.target), "_schema", None)
-    if schema is None:
-        return None
-    returned = {
-        a for r in schema.returns if r.alias_info is not None for a in r.alias_info.before_set
-    }
-    if not returned:
-        return None
-    for position, argument in enumerate(schema.arguments):
-        info = argument.alias_info
-        if info is None or not (set(info.before_set) & returned):
+# higher-order regions whose body is plain code -> the position of the body argument
+_REGION_BODY_AT = {
+    torch.ops.higher_order.wrap_with_autocast: 4,
+    torch.ops.higher_order.wrap_with_set_grad_enabled: 1,
+}
+
+
+_OPAQUE_CALLS = (torch._ops.HigherOrderOperator, torch._ops.OpOverloadPacket)
+
+
+def _region_roles(user: torch.fx.Node, value: torch.fx.Node) -> set[str]:
+    """A region writes `value` when its body writes the operand; its results may alias it."""
+    at = _REGION_BODY_AT[user.target]
+    body = getattr(user.graph.owning_module, getattr(user.args[at], "target", ""), None)
+    if not isinstance(body, torch.fx.GraphModule):
+        return {"unknown"}
+    operands = zip(user.args[at + 1 :], body.graph.find_nodes(op="placeholder"), strict=False)
+    inner = [placeholder for operand, placeholder in operands if operand is value]
+    return {"write", "alias"} if any(map(in_place_writers, inner)) else {"alias"}
+
+
+def _argument_roles(user: torch.fx.Node, value: torch.fx.Node) -> set[str]:
+    """How `user` treats `value`: "write", "alias" (a view), "read" or "unknown"."""
+    target = user.target
+    if target is operator.getitem:
+        return {"alias"}
+    if target in _REGION_BODY_AT:
+        return _region_roles(user, value)
+    op = underlying_op(target)
+    if not isinstance(op, torch._ops.OpOverload):
+        # a region or module call may write what it is passed; a plain Python
+        # callable (a builtin, a sym op) never writes a tensor in an exported graph
+        opaque = user.op != "call_function" or isinstance(op, _OPAQUE_CALLS)
+        return {"unknown"} if opaque else {"read"}
+    schema = op._schema
+    written = set(written_arguments(user))
+    roles: set[str] = set()
+    bound = list(zip(schema.arguments, user.args, strict=False))
+    by_name = {a.name: a for a in schema.arguments}
+    bound += [(by_name[k], v) for k, v in user.kwargs.items() if k in by_name]
+    for argument, passed in bound:
+        if passed is value:
+            nested = False
+        elif isinstance(passed, (list, tuple)) and any(p is value for p in passed):
+            nested = True
+        else:
             continue
-        passed = (
-            node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
-        )
-        if isinstance(passed, torch.fx.Node):
-            return passed
-    return None
+        if value in written:
+            roles.add("write")
+        elif nested and schema.is_mutable:
+            # element alias sets of a Tensor[] argument are not exposed; assume the worst
+            roles.add("write")
+        elif argument.alias_info is not None:
+            roles.add("alias")
+        else:
+            roles.add("read")
+    return roles or {"unknown"}
+
+
+def in_place_writers(start: torch.fx.Node) -> list[torch.fx.Node]:
+    """Ops that may write `start` or a view of it: an in-place op (per its schema), a
+    region whose body writes it, or an op whose schema is unknown. The one answer to
+    "who writes this value in place" for every etfold walk."""
+    writers: list[torch.fx.Node] = []
+    stack, seen = [start], {start}
+    while stack:
+        value = stack.pop()
+        for user in value.users:
+            if user.op == "output":
+                continue
+            roles = _argument_roles(user, value)
+            if ("write" in roles or "unknown" in roles) and user not in writers:
+                writers.append(user)
+            if "alias" in roles and user not in seen:
+                seen.add(user)
+                stack.append(user)
+    return writers
+
+
+# outputs whose value a call leaves in a parameter, buffer or user input
+WRITE_BACK_OUTPUT_KINDS = frozenset(
+    {OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION, OutputKind.USER_INPUT_MUTATION}
+)
+FUNCTIONALIZED = "a functionalized mutation"
+
+
+@dataclass(frozen=True)
+class StateWrite:
+    """A write that persists past the call: after it, `destination` holds `value`'s result.
+
+    `destination` is a placeholder (parameter, buffer, user input) or a `get_attr`;
+    `value` is the output of a functionalized mutation, or the op writing in place
+    (whose result aliases what it wrote); `how` names that op, or FUNCTIONALIZED."""
+
+    destination: torch.fx.Node
+    value: torch.fx.Node
+    how: str
+
+
+def _functionalized_writes(ep: ExportedProgram) -> Iterator[StateWrite]:
+    by_name = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
+    input_of = {s.target: s.arg.name for s in ep.graph_signature.input_specs if s.target}
+    outputs = ep.graph.output_node().args[0]
+    for spec, value in zip(ep.graph_signature.output_specs, outputs, strict=False):
+        if spec.kind not in WRITE_BACK_OUTPUT_KINDS or not isinstance(value, torch.fx.Node):
+            continue
+        destination = by_name.get(input_of.get(spec.target, spec.target))
+        if destination is not None:
+            yield StateWrite(destination, value, FUNCTIONALIZED)
+
+
+def state_writes(
+    graph_module: torch.fx.GraphModule, program: ExportedProgram | None = None
+) -> list[StateWrite]:
+    """Every write into a parameter, buffer, user input or attribute that persists past a
+    call, in place or functionalized alike: the one answer to "which ops write state,
+    and which outputs are write-backs". The signature's write-back outputs count when
+    `program` is the ExportedProgram owning `graph_module`."""
+    writes = []
+    if program is not None and program.graph_module is graph_module:
+        writes += _functionalized_writes(program)
+    for root in graph_module.graph.nodes:
+        if root.op not in ("placeholder", "get_attr"):
+            continue
+        writes += [
+            StateWrite(root, writer, op_qualified_name(writer.target))
+            for writer in in_place_writers(root)
+        ]
+    return writes
 
 
 def placeholders_written_in_place(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """Placeholders that some op writes, directly or through a chain of views."""
-    written: set[torch.fx.Node] = set()
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        for target in written_arguments(node):
-            seen = set()
-            while target is not None and target not in seen:
-                seen.add(target)
-                if target.op == "placeholder":
-                    written.add(target)
-                    break
-                target = _aliased_input(target)
-    return written
+    """Placeholders that some op may write, directly or through a chain of views."""
+    return {p for p in graph.find_nodes(op="placeholder") if in_place_writers(p)}
 
 
 def constant_sources(
@@ -205,11 +297,8 @@ def known_placeholder(
 
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
-_WRITTEN_OUTPUT_KINDS = (
-    OutputKind.BUFFER_MUTATION,
-    OutputKind.PARAMETER_MUTATION,
-    OutputKind.GRADIENT_TO_PARAMETER,
-)
+# a parameter that receives a gradient is trained: its value is not known either
+_TRAINED_OUTPUT_KINDS = frozenset({OutputKind.GRADIENT_TO_PARAMETER})
 
 
 @dataclass(frozen=True)
@@ -226,7 +315,9 @@ def state_facts(ep: ExportedProgram) -> StateFacts:
     return StateFacts(
         specs={s.arg.name: s for s in signature.input_specs if hasattr(s.arg, "name")},
         mutated_targets=frozenset(
-            s.target for s in signature.output_specs if s.kind in _WRITTEN_OUTPUT_KINDS
+            s.target
+            for s in signature.output_specs
+            if s.kind in WRITE_BACK_OUTPUT_KINDS | _TRAINED_OUTPUT_KINDS
         ),
         written=frozenset(placeholders_written_in_place(ep.graph)),
     )

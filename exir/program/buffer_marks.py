@@ -25,88 +25,22 @@ writes a buffer when its body does (its results are taken as views of it).
 
 from __future__ import annotations
 
-import operator
 from collections import defaultdict
 from collections.abc import Mapping
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
 
-from etfold.exir.passes.graph_walk import op_qualified_name, written_arguments
+from etfold.exir.passes.graph_walk import in_place_writers, op_qualified_name
+from etfold.exir.passes.graph_walk import state_writes as graph_state_writes
 
 BUFFER_FOLD_BLOCKERS = "etfold_buffer_fold_blockers"
 
 
-# higher-order regions whose body is plain code -> the position of the body argument
-_REGION_BODY_AT = {
-    torch.ops.higher_order.wrap_with_autocast: 4,
-    torch.ops.higher_order.wrap_with_set_grad_enabled: 1,
-}
-
-
-def _region_roles(user: torch.fx.Node, value: torch.fx.Node) -> set[str]:
-    """A region writes `value` when its body writes the operand; its results may alias it."""
-    at = _REGION_BODY_AT[user.target]
-    body = getattr(user.graph.owning_module, getattr(user.args[at], "target", ""), None)
-    if not isinstance(body, torch.fx.GraphModule):
-        return {"unknown"}
-    operands = zip(user.args[at + 1 :], body.graph.find_nodes(op="placeholder"), strict=False)
-    inner = [placeholder for operand, placeholder in operands if operand is value]
-    return {"write", "alias"} if any(map(in_place_writes, inner)) else {"alias"}
-
-
-def _argument_roles(user: torch.fx.Node, value: torch.fx.Node) -> set[str]:
-    """How `user` treats `value`: "write", "alias" (a view), "read" or "unknown"."""
-    target = user.target
-    if target is operator.getitem:
-        return {"alias"}
-    if target in _REGION_BODY_AT:
-        return _region_roles(user, value)
-    if not isinstance(target, torch._ops.OpOverload):
-        return {"unknown"}
-    schema = target._schema
-    written = set(written_arguments(user))
-    roles: set[str] = set()
-    bound = list(zip(schema.arguments, user.args, strict=False))
-    by_name = {a.name: a for a in schema.arguments}
-    bound += [(by_name[k], v) for k, v in user.kwargs.items() if k in by_name]
-    for argument, passed in bound:
-        if passed is value:
-            nested = False
-        elif isinstance(passed, (list, tuple)) and any(p is value for p in passed):
-            nested = True
-        else:
-            continue
-        alias = argument.alias_info
-        if value in written:
-            roles.add("write")
-        elif nested and schema.is_mutable:
-            # element alias sets of a Tensor[] argument are not exposed; assume the worst
-            roles.add("write")
-        elif alias is not None:
-            roles.add("alias")
-        else:
-            roles.add("read")
-    return roles or {"unknown"}
-
-
 def in_place_writes(start: torch.fx.Node) -> list[str]:
     """Ops that may write `start` or a view of it, as `aten.copy_.default` names."""
-    writes: list[str] = []
-    stack, seen = [start], {start}
-    while stack:
-        value = stack.pop()
-        for user in value.users:
-            if user.op == "output":
-                continue
-            roles = _argument_roles(user, value)
-            if "write" in roles or "unknown" in roles:
-                writes.append(op_qualified_name(user.target))
-            if "alias" in roles and user not in seen:
-                seen.add(user)
-                stack.append(user)
-    return writes
+    return [op_qualified_name(writer.target) for writer in in_place_writers(start)]
 
 
 def buffer_placeholders(program: ExportedProgram) -> dict[str, torch.fx.Node]:
@@ -120,21 +54,20 @@ def buffer_placeholders(program: ExportedProgram) -> dict[str, torch.fx.Node]:
 
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
-_MUTATION_KINDS = (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)
 
 
 def state_writes(program: ExportedProgram) -> dict[str, list[str]]:
     """Parameter/buffer/constant FQN -> what in this program may write it (empty lists omitted)."""
+    fqn_of = {
+        spec.arg.name: spec.target
+        for spec in program.graph_signature.input_specs
+        if spec.kind in _STATE_KINDS and spec.target is not None
+    }
     writes: dict[str, list[str]] = defaultdict(list)
-    for spec in program.graph_signature.output_specs:
-        if spec.kind in _MUTATION_KINDS and spec.target is not None:
-            writes[spec.target].append("a functionalized mutation")
-    by_name = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-    for spec in program.graph_signature.input_specs:
-        if spec.kind in _STATE_KINDS and spec.arg.name in by_name:
-            found = in_place_writes(by_name[spec.arg.name])
-            if found:
-                writes[spec.target].extend(found)
+    for write in graph_state_writes(program.graph_module, program):
+        fqn = fqn_of.get(write.destination.name)
+        if fqn is not None and write.destination.op == "placeholder":
+            writes[fqn].append(write.how)
     return dict(writes)
 
 

@@ -33,7 +33,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from torch.fx import GraphModule, Node
 
-from etfold.backends.arm._passes.graph_utils import quantization_source, write_backs
+from etfold.backends.arm._passes.graph_utils import COPY_OPS, quantization_source
+from etfold.exir.passes.graph_walk import state_writes, underlying_op
 
 CARRIED_QUANT_STATE = "etfold.carried_quant_state"
 
@@ -79,13 +80,30 @@ def mark_carried_state_outputs(
     return marked
 
 
+def carried_values(
+    graph_module: GraphModule, exported_program: ExportedProgram | None = None
+) -> list[Node]:
+    """The values written back to a buffer, parameter, input or attribute, in place or
+    functionalized alike (`graph_walk.state_writes`): for a copy, its source (the copy
+    itself is gone once the program is functionalized); for any other in-place op, its
+    result (`state.add_(y)` leaves state + y, which that op rounds)."""
+    values = []
+    for write in state_writes(graph_module, exported_program):
+        value = write.value
+        while underlying_op(value.target) in COPY_OPS and isinstance(value.args[1], Node):
+            value = value.args[1]
+        if value not in values:
+            values.append(value)
+    return values
+
+
 def mark_write_backs(program: ExportedProgram) -> list[Node]:
     """Mark every value the program writes back to a buffer or input as carried state.
 
     Run on the whole program before partitioning: a backend pass later sees only
     its delegate, where a write-back outside it looks like an ordinary output.
     """
-    marked = [value for _, value in write_backs(program.graph_module, program)]
+    marked = carried_values(program.graph_module, program)
     for value in marked:
         mark_carried_quant_state(value)
     return marked
@@ -103,7 +121,7 @@ def carried_region(
     intermediate rounding; the carried value keeps its own observer, op and
     quantization parameters.
     """
-    seeds = [value for _, value in write_backs(graph_module, exported_program)]
+    seeds = carried_values(graph_module, exported_program)
     seeds += [n for n in graph_module.graph.nodes if n.op != "output" and is_carried_quant_state(n)]
     region: set[Node] = set()
     for node in seeds:

@@ -27,10 +27,12 @@ pipeline (FP profile). W', b * s are new constants named from their source and a
 digest of s; the sources are removed only once nothing reads them, and no
 existing tensor is written (the annotation pipeline's tensors are the user's).
 Before calibration it declines a conv whose product another conv also computes
-(same input, same weight), unless the two scaled products are added (or
-subtracted) with every channel's scales keeping its sign: quantized, the twins
-round alike, and where their combination cancels, that shared rounding cancels
-with it, which separately folded weights would lose.
+(same input, same weight) where the two results meet downstream, unless they
+meet in one add (or sub) with every channel's scales keeping its sign:
+quantized, the twins round alike, and where their combination cancels, that
+shared rounding cancels with it, which separately folded weights would lose.
+Twins whose results never meet (separate outputs) fold; in float every fold is
+exact up to fp32 rounding, twins or not.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from etfold.backends.arm._passes.graph_utils import (
     fresh_constant_name,
     is_inference_noop,
     is_layout,
+    meet,
     twin_layers,
 )
 from etfold.decisions import Declined
@@ -118,10 +121,10 @@ SCALE_NOT_FINITE = "scale is not finite (NaN or Inf)"
 SCALE_NOT_CHANNELWISE = "scale broadcasts along a non-channel dimension"
 CHANGES_OUTPUT = "mul changes the conv output's shape or dtype"
 TWIN_BEFORE_CALIBRATION = (
-    "another conv computes the same product (same input, same weight): quantized, the"
-    " two round alike, and their scaled results are not one sum that keeps each"
-    " channel's sign, so that shared rounding may cancel, which separately folded"
-    " weights would lose"
+    "another conv computes the same product (same input, same weight) and the two"
+    " results meet downstream other than in one sum that keeps each channel's sign:"
+    " quantized, the two round alike, and where they combine that shared rounding may"
+    " cancel, which separately folded weights would lose"
 )
 WEIGHT_BELOW_SCALE_FLOOR = (
     "folding shrinks a channel's weights below the smallest int8 weight scale Arm's"
@@ -439,11 +442,12 @@ class FoldScalarMulIntoConvPass(ArmPass):
         return (reader, scale) if scale is not None and is_finite(scale) else None
 
     def _twins_add_up(self, mul: Node, conv: Node, chain, scale: torch.Tensor, program) -> bool:
-        """True without a twin; with one, whether its product and this one meet in one add
-        (or sub) where every channel's two scales keep their sign, so the rounding the
-        two share adds up instead of cancelling and separate roundings are no worse."""
+        """True when no twin's product meets this one (nothing combines the two, so the
+        rounding they share cannot cancel), or when the one twin's product meets it in
+        one add (or sub) where every channel's two scales keep their sign, so the shared
+        rounding adds up instead of cancelling and separate roundings are no worse."""
         twins = twin_layers(conv)
-        if not twins:
+        if not any(meet(mul, twin) for twin in twins):
             return True
         scaled = self._scaled_twin(twins[0], program) if len(twins) == 1 and not chain else None
         if scaled is None or len(mul.users) != 1:
@@ -451,8 +455,8 @@ class FoldScalarMulIntoConvPass(ArmPass):
         twin_product, twin_scale = scaled
         combine = next(iter(mul.users))
         sign = _COMBINE_SIGNS.get(combine.target)
-        meet = set(combine.args[:2]) == {mul, twin_product} and len(twin_product.users) == 1
-        if sign is None or not meet or combine.kwargs.get("alpha", 1) != 1:
+        meets = set(combine.args[:2]) == {mul, twin_product} and len(twin_product.users) == 1
+        if sign is None or not meets or combine.kwargs.get("alpha", 1) != 1:
             return False
         try:  # both broadcast against the conv output, so elementwise is per channel
             products = scale.detach().double() * twin_scale.detach().double()

@@ -4,7 +4,7 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""Constant and write-back helpers shared by etfold's Arm passes.
+"""Constant helpers shared by etfold's Arm passes.
 
 A pass sees constants in one of two forms: a placeholder of an ExportedProgram
 (backend pipeline: parameter, buffer or lifted constant) or a `get_attr` of a
@@ -15,18 +15,16 @@ and never write into an existing tensor.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from executorch.exir.dialects._ops import ops as exir_ops
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
 from etfold.decisions import Declined
-from etfold.exir.passes.graph_walk import ConstantSource, known_placeholder, written_arguments
-
-_WRITE_BACK_OUTPUTS = (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)
+from etfold.exir.passes.graph_walk import ConstantSource, known_placeholder, state_writes
 
 _aten = torch.ops.aten
 # ops that move or pass values without computing: their output is their input's
@@ -162,52 +160,29 @@ def twin_layers(layer: Node) -> list[Node]:
     return twins
 
 
-def _mutating_write_destination(node: Node) -> Node | None:
-    """For an in-place op writing into a graph input or attribute, the root being written."""
-    if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
-        return None
-    if node.args[0] not in written_arguments(node):
-        return None
-    root = node.args[0]
-    # views of a buffer written in place still write the buffer
-    while root.op == "call_function" and root.args and isinstance(root.args[0], Node):
-        root = root.args[0]
-    return root if root.op in ("get_attr", "placeholder") else None
+def descendants(node: Node) -> set[Node]:
+    """Every node computed from `node`'s value (the graph output excluded)."""
+    found: set[Node] = set()
+    stack = [node]
+    while stack:
+        for user in stack.pop().users:
+            if user.op != "output" and user not in found:
+                found.add(user)
+                stack.append(user)
+    return found
 
 
-def write_backs(
-    graph_module: GraphModule, exported_program: ExportedProgram | None = None
-) -> Iterator[tuple[Node, Node]]:
-    """(destination, written value) for every value that persists past a call.
-
-    From the graph signature (BUFFER_MUTATION / USER_INPUT_MUTATION outputs) when
-    an ExportedProgram is given, and from in-place writes into a graph input or
-    attribute (`copy_(buffer, value)`, as an unlifted module records them).
-    """
-    graph = graph_module.graph
-    if exported_program is not None and exported_program.graph_module is graph_module:
-        outputs = graph.output_node().args[0]
-        placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
-        signature = exported_program.graph_signature
-        input_for_target = {
-            spec.target: spec.arg.name for spec in signature.input_specs if spec.target is not None
-        }
-        for spec, value in zip(signature.output_specs, outputs, strict=False):
-            if spec.kind in _WRITE_BACK_OUTPUTS and isinstance(value, Node):
-                destination_name = input_for_target.get(spec.target, spec.target)
-                destination = placeholders.get(destination_name, value)
-                yield destination, value
-    for node in graph.nodes:
-        destination = _mutating_write_destination(node)
-        if destination is None:
-            continue
-        for value in node.all_input_nodes:
-            if value is not node.args[0]:
-                yield destination, value
+def meet(a: Node, b: Node) -> bool:
+    """Whether some node computes from both `a` and `b` (returning both is no meeting)."""
+    return bool(({a} | descendants(a)) & ({b} | descendants(b)))
 
 
 def _written_get_attr_targets(graph_module: GraphModule) -> set[str]:
-    return {str(d.target) for d, _ in write_backs(graph_module) if d.op == "get_attr"}
+    return {
+        str(w.destination.target)
+        for w in state_writes(graph_module)
+        if w.destination.op == "get_attr"
+    }
 
 
 def constant_tensor(
