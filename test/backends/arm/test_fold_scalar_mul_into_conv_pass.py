@@ -280,6 +280,67 @@ def test_cancelling_twins_fold_exactly_in_float():
     )
 
 
+class TwinsApart(torch.nn.Module):
+    """Two conv1d's on one input and one weight, each scaled by its own factor and
+    returned apart (or, with `meet`, concatenated and summed over channels)."""
+
+    def __init__(self, scales, meet: bool = False):
+        super().__init__()
+        self.scales, self.meet = scales, meet
+        self.a = torch.nn.Conv1d(3, 8, 3, padding=1)
+        self.b = torch.nn.Conv1d(3, 8, 3, padding=1)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        left, right = self.a(x), self.b(x)
+        if self.scales is not None:
+            left, right = left * self.scales[0], right * self.scales[1]
+        return torch.cat([left, right], 1).sum(1) if self.meet else (left, right)
+
+    def hand_folded(self) -> torch.nn.Module:
+        folded = copy.deepcopy(self)
+        folded.b.weight = torch.nn.Parameter(self.a.weight.detach().clone())
+        with torch.no_grad():
+            for conv, s in zip((folded.a, folded.b), self.scales, strict=True):
+                conv.weight.mul_(s.reshape(-1, 1, 1) if torch.is_tensor(s) else s)
+                conv.bias.mul_(s.reshape(-1) if torch.is_tensor(s) else s)
+        folded.scales = None
+        return folded.eval()
+
+
+_APART_SCALES = {
+    "scalar": (0.5, -3.0),
+    "per_channel": (torch.linspace(0.5, 2.0, 8).reshape(1, 8, 1), -0.75),
+}
+
+
+@pytest.mark.parametrize("scales", list(_APART_SCALES), ids=list(_APART_SCALES))
+@pytest.mark.parametrize("profile", [INT, FP])
+def test_twins_returned_apart_both_fold_within_one_lsb_of_hand_folded(profile, scales):
+    """Their results never meet, so no sum can cancel the rounding they share."""
+    torch.manual_seed(0)
+    model, inputs = TwinsApart(_APART_SCALES[scales]).eval(), (torch.randn(1, 3, 16),)
+    with collect_decisions() as journal:
+        folded = lower(model, inputs, profile, "etfold")
+    assert [d.applied for d in mine(journal)] == [True, True]
+    assert folded.operator_counts()["MUL"] == 0
+    hand, _ = lower_module_tosa(model.hand_folded(), inputs, profile)
+    outs, expected = folded.run(*inputs).outputs, hand.run(*inputs).outputs
+    for out, want, lsb in zip(outs, expected, output_scales(hand), strict=True):
+        tolerance = lsb * 1.001 if profile == INT else 1e-5
+        assert float((out - want).abs().max()) <= tolerance
+
+
+def test_twins_whose_results_meet_past_an_add_keep_their_scales_before_calibration():
+    model = TwinsApart((2.0, -2.0), meet=True).eval()
+    graph_module = torch.export.export(model, (torch.randn(1, 3, 16),)).module(check_guards=False)
+    before = str(graph_module.graph)
+    with collect_decisions() as journal:
+        assert not FoldScalarMulIntoConvPass(tfa_pass=True)(graph_module).modified
+    assert str(graph_module.graph) == before
+    assert [d.detail for d in mine(journal)] == [fold.TWIN_BEFORE_CALIBRATION] * 2
+
+
 def test_stock_gets_shared_weight_wrong_on_fp():
     """Documents the upstream bug: the second conv reads the weight already scaled by the first."""
     model, inputs = _shared(twin=True)
