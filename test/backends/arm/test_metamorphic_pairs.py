@@ -217,7 +217,7 @@ _channel_scale = st.lists(
 _scale = st.one_of(st.sampled_from([-1.5, 0.3, 0.5, 3.0]).map(torch.tensor), _channel_scale)
 
 
-@settings(max_examples=3)
+@settings(max_examples=2)
 @given(first=_scale, second=_scale)
 def test_twins_that_never_meet_fold_as_separate_weights_do_on_int(first, second):
     twins = lower_and_run(_exported(_twins((first, second))), INT, _TWIN_STEPS)
@@ -244,7 +244,7 @@ def test_strict_and_non_strict_export_decide_and_run_alike(profile):
 
 def test_a_model_and_its_deep_copy_decide_and_run_alike():
     model, steps = _state_case("buffer", "add_")
-    original = lower_and_run(lambda: torch.export.export(model, steps[0]), INT, steps)
+    original = lower_and_run(lambda: torch.export.export(model, steps[0]), FP, steps)
     copied = copy.deepcopy(model)
-    duplicate = lower_and_run(lambda: torch.export.export(copied, steps[0]), INT, steps)
+    duplicate = lower_and_run(lambda: torch.export.export(copied, steps[0]), FP, steps)
     assert_alike(original, duplicate, atol=0.0)
