@@ -98,12 +98,15 @@ def _applied(lowered: Lowered, fold: str) -> list[str]:
     return [where for name, applied, where, _ in lowered.decisions if name == fold and applied]
 
 
+_CONVERTS = ("aten._to_copy", "_to_dim_order_copy", "convert_element_type")
+
+
 def _converts_outside(lowered: Lowered) -> int:
     return sum(
         count
         for ops in lowered.outside.values()
         for op, count in ops.items()
-        if "to_copy" in op or "convert" in op
+        if any(name in op for name in _CONVERTS)
     )
 
 
