@@ -71,6 +71,10 @@ class Ledger:
     """The holds taken for one partitioned program that are not given back yet."""
 
     left: int
+    generation: int = 0  # holds from before a reset_holds() are no longer anyone's
+
+
+_generation = 0
 
 
 # the open ledgers of this context (one thread's lowering), oldest first
@@ -214,11 +218,11 @@ def holds() -> int:
 def hold_for(program: object, count: int) -> Ledger:
     """`count` holds for the partitions of `program`, given back as they are preprocessed,
     or all at once when the lowering raises or `program` is gone."""
-    ledger = Ledger(count)
     if count <= 0:
-        return ledger
-    acquire(count)
+        return Ledger(0)
     with _lock:
+        acquire(count)
+        ledger = Ledger(count, _generation)
         open_ledgers = _ledgers.get()
         if open_ledgers is None:
             open_ledgers = []
@@ -233,7 +237,17 @@ def _close(ledger: Ledger, open_ledgers: list[Ledger]) -> None:
         left, ledger.left = ledger.left, 0
         if ledger in open_ledgers:
             open_ledgers.remove(ledger)
-        release(left)
+        if ledger.generation == _generation:
+            release(left)
+
+
+def reset_holds() -> None:
+    """Drop every hold, whoever took it, and restore upstream if holds installed it; the
+    ledgers open now give nothing back later (for a test that must start clean)."""
+    global _generation
+    with _lock:
+        _generation += 1
+        release(_holds)
 
 
 def _close_all(open_ledgers: list[Ledger] | None) -> None:
@@ -251,7 +265,8 @@ def _give_back_one() -> None:
         ledger.left -= 1
         if not ledger.left:
             open_ledgers.remove(ledger)
-        release(1)
+        if ledger.generation == _generation:
+            release(1)
 
 
 @contextlib.contextmanager

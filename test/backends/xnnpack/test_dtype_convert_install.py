@@ -46,7 +46,7 @@ def _upstream_state():
 def pristine():
     """Start uninstalled; leave the process as the test found it."""
     was_installed = install.is_installed()
-    install.release(install.holds())  # holds a partition-only test left behind
+    install.reset_holds()  # holds a partition-only test left behind, never given back later
     install.uninstall()
     yield _upstream_state()
     install.uninstall()
@@ -191,6 +191,30 @@ def test_upstream_lowering_gives_back_its_holds_without_a_collection(pristine):
         gc.enable()
     assert program.delegates() == 2
     assert torch.equal(program.run(x)[0], expected[0])
+
+
+class Partitioned:
+    """Stands in for a partitioned program: only its lifetime matters to a ledger."""
+
+
+def test_holds_go_with_the_partitioned_program(pristine):
+    program = Partitioned()
+    install.hold_for(program, 2)
+    assert install.is_installed() and install.holds() == 2
+    del program
+    assert _untouched(pristine[0])
+
+
+def test_a_ledger_from_before_a_reset_never_gives_back_a_later_hold(pristine):
+    stale = Partitioned()
+    install.hold_for(stale, 1)
+    install.reset_holds()
+    assert _untouched(pristine[0])
+    with install.installed():
+        del stale
+        gc.collect()
+        assert install.is_installed() and install.holds() == 1
+    assert _untouched(pristine[0])
 
 
 def test_holds_from_concurrent_threads_never_race_the_install(pristine):
