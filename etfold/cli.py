@@ -17,10 +17,9 @@ import io
 import json
 import math
 import os
+import shutil
 import sys
-import tempfile
 import time
-import warnings
 from collections.abc import Iterator
 from typing import TextIO
 
@@ -75,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--backend", choices=["xnnpack", "arm"], help="only models for this backend")
     rep.add_argument("--model", action="append", help="a built-in model by name (repeatable)")
     rep.add_argument(
+        "--all",
+        action="store_true",
+        help="every built-in model (default: one per fold family and backend; --list marks them)",
+    )
+    rep.add_argument(
         "--program", help="a user's exported program (.pt2, saved with example inputs)"
     )
     rep.add_argument(
@@ -92,7 +96,21 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--no-npu", action="store_true", help="skip Vela's Ethos-U cycle estimates for Arm rows"
     )
-    rep.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    rep.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=2,
+        help="models evaluated at once, each in a worker process (default 2); "
+        "latency is still timed while nothing else runs",
+    )
+    rep.add_argument(
+        "--json",
+        action="store_true",
+        help="print a JSON array instead of a table (a row a line, as each model finishes)",
+    )
+    rep.add_argument(
+        "--jsonl", action="store_true", help="print JSON Lines: one object per row, as they finish"
+    )
     rep.add_argument("--list", action="store_true", help="list the built-in models and exit")
     rep.add_argument(
         "--explain", action="store_true", help="list every fold decision, each with its node"
@@ -119,12 +137,14 @@ def _json_safe(value):
 
 
 def _list(entries, as_json: bool) -> int:
+    """Every built-in model; `default` marks the ones a plain `etfold report` runs."""
     if as_json:
         rows = [
             {
                 "name": e.name,
                 "backend": e.backend,
                 "description": e.description,
+                "default": e.default,
                 "missing_extras": list(e.missing_extras()),
             }
             for e in entries
@@ -134,7 +154,8 @@ def _list(entries, as_json: bool) -> int:
     for e in entries:
         missing = e.missing_extras()
         needs = f"  [needs {_extras_text(missing)}]" if missing else ""
-        print(f"{e.name:28s} {e.backend:8s} {e.description}{needs}")
+        default = "default" if e.default else ""
+        print(f"{e.name:28s} {e.backend:8s} {default:7s} {e.description}{needs}")
     return EXIT_OK
 
 
@@ -149,7 +170,13 @@ def _select(args, entries) -> list:
         raise _UsageError(
             f"unknown model(s): {', '.join(unknown)}; `etfold report --list` names the built-in ones"
         )
-    selected = [known[n] for n in dict.fromkeys(args.model)] if args.model else entries
+    if args.model and args.all:
+        raise _UsageError("give --model or --all, not both")
+    if args.model:
+        selected = [known[n] for n in dict.fromkeys(args.model)]
+    else:  # XNNPACK first, as the table shows them: a streamed table changes section once
+        selected = entries if args.all else [e for e in entries if e.default]
+        selected = sorted(selected, key=lambda e: e.backend != "xnnpack")
     return [e for e in selected if args.backend in (None, e.backend)]
 
 
@@ -191,34 +218,6 @@ def _progress_stream() -> Iterator[TextIO]:
         stream.close()
 
 
-@contextlib.contextmanager
-def _chatter_captured(enabled: bool) -> Iterator[None]:
-    """Send Python warnings, logging and C-level runtime output to a scratch file."""
-    if not enabled:
-        yield
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    with tempfile.TemporaryFile() as scratch:
-        saved = {fd: os.dup(fd) for fd in (1, 2)}
-        text = open(scratch.fileno(), "w", closefd=False, encoding="utf-8", errors="replace")  # noqa: SIM115
-        try:
-            for fd in saved:
-                os.dup2(scratch.fileno(), fd)
-            with (
-                contextlib.redirect_stdout(text),
-                contextlib.redirect_stderr(text),
-                warnings.catch_warnings(),
-            ):
-                warnings.simplefilter("ignore")
-                yield
-        finally:
-            text.flush()
-            for fd, copy in saved.items():
-                os.dup2(copy, fd)
-                os.close(copy)
-
-
 def _outcome_line(outcomes) -> str:
     failed = [o for o in outcomes if o.failure]
     if not failed:
@@ -230,45 +229,150 @@ def _outcome_line(outcomes) -> str:
     return "FAILED: " + "; ".join(f"{o.flavour}: {o.failure}" for o in failed)
 
 
-def _run_models(models, args, progress: TextIO) -> list:
-    from etfold import report
+class _Progress:
+    """stderr while models run.
 
-    plan = report.TimingPlan(budget_s=args.budget, min_rounds=args.runs)
-    outcomes = []
-    for index, model in enumerate(models, 1):
-        start = time.perf_counter()
-        print(f"[{index}/{len(models)}] {model.name} ({model.backend}) … ", end="", file=progress)
-        progress.flush()
-        with _chatter_captured(not (args.verbose or args.debug)):
-            rows = report.evaluate(model, timing=plan, npu=not args.no_npu, debug=args.debug)
-        elapsed = time.perf_counter() - start
-        print(f"{elapsed:.1f} s, {_outcome_line(rows)}", file=progress, flush=True)
-        outcomes += rows
-    return outcomes
+    Each finished model: `[k/n] NAME (BACKEND) … T s, OUTCOME` (k counts
+    finished models). What runs now: `running: A (12 s), B (3 s); k of n done,
+    w waiting`, one line rewritten in place on a terminal; elsewhere (a log)
+    printed without times whenever the running set changes, when there is more
+    than one model.
+    """
+
+    def __init__(self, stream: TextIO, total: int):
+        self._stream, self._total = stream, total
+        self._done = 0
+        self._running: dict[str, float] = {}
+        self._live = stream.isatty()
+        self._last = ""
+
+    def started(self, ref) -> None:
+        self._running[ref.name] = time.perf_counter()
+
+    def finished(self, ref, outcomes, elapsed: float) -> None:
+        self._done += 1
+        self._running.pop(ref.name, None)
+        self.clear()
+        line = f"[{self._done}/{self._total}] {ref.name} ({ref.backend}) … {elapsed:.1f} s"
+        print(f"{line}, {_outcome_line(outcomes)}", file=self._stream, flush=True)
+
+    def status(self, timed: bool) -> str:
+        now = time.perf_counter()
+        names = [f"{n} ({now - t:.0f} s)" if timed else n for n, t in self._running.items()]
+        waiting = self._total - self._done - len(self._running)
+        return f"running: {', '.join(names)}; {self._done} of {self._total} done, {waiting} waiting"
+
+    def tick(self) -> None:
+        if not self._running:
+            return
+        if self._live:
+            width = shutil.get_terminal_size().columns - 1
+            self._stream.write("\r\x1b[K" + self.status(timed=True)[:width])
+            self._stream.flush()
+            self._last = "live"
+        elif self._total > 1 and self.status(timed=False) != self._last:
+            self._last = self.status(timed=False)
+            print(self._last, file=self._stream, flush=True)
+
+    def clear(self) -> None:
+        if self._live and self._last:
+            self._stream.write("\r\x1b[K")
+            self._stream.flush()
+            self._last = ""
+
+
+class _Rows:
+    """stdout as models finish: table rows, a JSON array (one row a line), or JSON Lines."""
+
+    def __init__(self, mode: str, names: list[str], explain: bool):
+        from etfold import report
+
+        self.outcomes: list = []
+        self._mode = mode
+        self._table = report.TableStream(max(map(len, names), default=0), explain=explain)
+        if mode == "json":
+            self._write("[\n")
+
+    def add(self, outcomes) -> None:
+        from etfold import report
+
+        rows = [json.dumps(_json_safe(r)) for r in report.as_json_rows(outcomes)]
+        if self._mode == "table":
+            text = "".join(f"{line}\n" for line in self._table.add(outcomes))
+        elif self._mode == "json":
+            text = (",\n" if self.outcomes and rows else "") + ",\n".join(rows)
+        else:
+            text = "".join(f"{r}\n" for r in rows)
+        self.outcomes += outcomes
+        self._write(text)
+
+    def close(self) -> None:
+        if self._mode == "table":
+            self._write("".join(f"{line}\n" for line in self._table.close()))
+        elif self._mode == "json":
+            self._write("\n]\n" if self.outcomes else "]\n")
+
+    @staticmethod
+    def _write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def _run_models(refs, args, stream: TextIO) -> list:
+    from etfold import report, report_workers
+
+    options = report_workers.RunOptions(
+        report.TimingPlan(budget_s=args.budget, min_rounds=args.runs),
+        npu=not args.no_npu,
+        debug=args.debug,
+        capture=not (args.verbose or args.debug),
+        verbose=args.verbose,
+    )
+    mode = "jsonl" if args.jsonl else "json" if args.json else "table"
+    progress = _Progress(stream, len(refs))
+    rows = _Rows(mode, [r.name for r in refs], args.explain)
+
+    def finished(ref, outcomes, elapsed):
+        progress.finished(ref, outcomes, elapsed)
+        rows.add(outcomes)
+
+    try:
+        report_workers.run_models(
+            refs,
+            options,
+            args.jobs,
+            started=progress.started,
+            finished=finished,
+            tick=progress.tick,
+        )
+    finally:
+        progress.clear()
+        rows.close()
+    return rows.outcomes
 
 
 def _models_to_run(args, progress: TextIO) -> list:
-    from etfold import report
+    from etfold import report, report_workers
 
     if args.program:
-        if args.model:
-            raise _UsageError("give --program or --model, not both")
+        if args.model or args.all:
+            raise _UsageError(f"give --program or {'--model' if args.model else '--all'}, not both")
         backend = args.backend or "xnnpack"
         entry = demo_models.CatalogueEntry(args.program, backend, "", "")
         if entry.missing_extras():
             raise _UsageError(f"--backend {backend} needs {_extras_text(entry.missing_extras())}")
-        with _chatter_captured(not (args.verbose or args.debug)):
+        with report_workers.chatter_kept_off_stdout(not (args.verbose or args.debug)):
             report.load_user_program(args.program)  # bad input fails here, before any lowering
-        return [report.user_program(args.program, backend)]
+        return [report_workers.ModelRef(args.program, backend, program=args.program)]
     entries = _skip_unavailable(_select(args, demo_models.catalogue()), progress)
-    with _chatter_captured(not (args.verbose or args.debug)):
-        return demo_models.load(entries)
+    return [report_workers.ModelRef.of_entry(e) for e in entries]
 
 
 def _report(args) -> int:
     if args.list:
         return _list(demo_models.catalogue(), args.json)
-    from etfold import report
+    if args.json and args.jsonl:
+        raise _UsageError("give --json or --jsonl, not both")
     from etfold.decisions import set_log_level
 
     if args.verbose:
@@ -280,11 +384,6 @@ def _report(args) -> int:
     finally:
         if args.verbose:
             set_log_level(None)
-
-    if args.json:
-        print(json.dumps(_json_safe(report.as_json_rows(outcomes)), indent=2))
-    elif outcomes:
-        print(report.format_table(outcomes, explain=args.explain))
     return EXIT_FAILED if any(o.failure for o in outcomes) else EXIT_OK
 
 

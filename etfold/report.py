@@ -263,11 +263,12 @@ def vela_available() -> bool:
     )
 
 
-def _add_npu_cycles(outcome: Outcome, model: DemoModel) -> None:
+def _add_npu_cycles(outcome: Outcome, model: DemoModel, between: Callable[[], None]) -> None:
     """Vela's estimate for each Ethos-U target; a Vela failure is a note, not a failed row."""
     from etfold.harness import vela
 
     for target in vela.TARGETS:
+        between()
         module, inputs = model.build()
         try:
             with collect_decisions(), _arm_folds(outcome.flavour):
@@ -326,8 +327,15 @@ def evaluate(
     timing: TimingPlan | None = None,
     npu: bool = True,
     debug: bool = False,
+    alone: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    between: Callable[[], None] = lambda: None,
 ) -> list[Outcome]:
-    """Stock and etfold outcomes for one model; a failing lowering is reported, not raised."""
+    """Stock and etfold outcomes for one model; a failing lowering is reported, not raised.
+
+    The latency timing runs inside `alone()`, and `between()` is called between
+    lowerings: a parallel run makes timing wait until nothing else runs, and a
+    lowering wait while another worker times (`etfold.report_workers.TimingGate`).
+    """
     from etfold.harness import xnnpack_runner
 
     plan = timing or TimingPlan()
@@ -337,6 +345,7 @@ def evaluate(
     lowered: dict[str, _Lowered] = {}
     lower = {"xnnpack": _lower_xnnpack, "arm": _lower_arm}.get(model.backend)
     for flavour, outcome in outcomes.items():
+        between()
         try:
             if lower is None:
                 raise ValueError(f"unknown backend {model.backend!r}")
@@ -348,10 +357,11 @@ def evaluate(
             if debug:
                 traceback.print_exc(file=sys.stderr)
     if model.backend == "xnnpack" and lowered:
-        _time(lowered, outcomes, plan)
+        with alone():
+            _time(lowered, outcomes, plan)
     if model.backend == "arm" and npu and vela_available():
         for flavour in lowered:
-            _add_npu_cycles(outcomes[flavour], model)
+            _add_npu_cycles(outcomes[flavour], model, between)
     _explain_differences(outcomes["stock"], outcomes["etfold"])
     return list(outcomes.values())
 
@@ -513,58 +523,116 @@ def _twin_cell(o: Outcome) -> str:
     return f"{o.fp32_twin['delegates']} / {o.fp32_twin['ops_outside']}"
 
 
-def _backend_table(outcomes: Sequence[Outcome], backend: str, targets: Sequence[str]) -> list[str]:
+def _table_header(backend: str, targets: Sequence[str]) -> tuple[str, ...]:
     if backend == "xnnpack":
         extra = ("median ms (p10–p90)", "etfold/stock (p10–p90)", "fp32 twin deleg/outside")
     else:
         extra = ("TOSA ops", *(f"{t} cycles" for t in targets))
-    header = (*_COMMON, *extra, "max err", "folds")
-    rows = []
-    for o in outcomes:
-        if o.failure:
-            rows.append((o.model, o.flavour, *["-"] * (len(header) - 3), f"FAILED: {o.failure}"))
-            continue
-        if backend == "xnnpack":
-            cells = (*_latency_cells(o), _twin_cell(o))
-        else:
-            cells = (_ops_text(o.tosa_ops, 3), *(_cycles_cell(o, t) for t in targets))
-        rows.append(
-            (
-                o.model,
-                o.flavour,
-                str(o.delegates),
-                _ops_text(o.ops_outside),
-                f"{o.pte_bytes:,}",
-                *cells,
-                f"{o.max_error:.3g}",
-                _folds_cell(o),
-            )
-        )
+    return (*_COMMON, *extra, "max err", "folds")
+
+
+def _table_cells(o: Outcome, targets: Sequence[str], columns: int) -> tuple[str, ...]:
+    if o.failure:
+        return (o.model, o.flavour, *["-"] * (columns - 3), f"FAILED: {o.failure}")
+    if o.backend == "xnnpack":
+        cells = (*_latency_cells(o), _twin_cell(o))
+    else:
+        cells = (_ops_text(o.tosa_ops, 3), *(_cycles_cell(o, t) for t in targets))
+    return (
+        o.model,
+        o.flavour,
+        str(o.delegates),
+        _ops_text(o.ops_outside),
+        f"{o.pte_bytes:,}",
+        *cells,
+        f"{o.max_error:.3g}",
+        _folds_cell(o),
+    )
+
+
+def _aligned(cells: Sequence[str], widths: Sequence[int]) -> str:
+    return "  ".join(cell.ljust(w) for cell, w in zip(cells, widths, strict=True)).rstrip()
+
+
+def _title(backend: str) -> str:
+    return "XNNPACK" if backend == "xnnpack" else "Arm TOSA INT" if backend == "arm" else backend
+
+
+def _backend_table(outcomes: Sequence[Outcome], backend: str, targets: Sequence[str]) -> list[str]:
+    header = _table_header(backend, targets)
+    rows = [_table_cells(o, targets, len(header)) for o in outcomes]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(r):
-        return "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-
-    return [line(header), line(tuple("-" * w for w in widths)), *map(line, rows)]
+    return [_aligned(header, widths), _aligned(["-" * w for w in widths], widths)] + [
+        _aligned(r, widths) for r in rows
+    ]
 
 
-def format_table(outcomes: Sequence[Outcome], *, explain: bool = False) -> str:
-    out: list[str] = []
-    for backend in dict.fromkeys(o.backend for o in outcomes):
-        rows = [o for o in outcomes if o.backend == backend]
-        targets = sorted({t for o in rows for t in o.npu_cycles})
-        title = (
-            "XNNPACK" if backend == "xnnpack" else "Arm TOSA INT" if backend == "arm" else backend
-        )
-        out += [*([""] if out else []), f"{title}:", *_backend_table(rows, backend, targets)]
+def _decision_lines(outcomes: Sequence[Outcome], explain: bool) -> list[str]:
     notes = []
     for o in outcomes:
         for verdict, records in (("applied ", o.applied), ("declined", o.declined)):
             notes += _decision_notes(f"  {o.model} [{o.flavour}] {verdict}", records, explain)
         notes += [f"  {o.model} [{o.flavour}] note     {n}" for n in o.notes]
-    if notes:
-        out += ["", "fold decisions:", *notes]
-    return "\n".join(out)
+    return ["", "fold decisions:", *notes] if notes else []
+
+
+def format_table(outcomes: Sequence[Outcome], *, explain: bool = False) -> str:
+    """The whole table, each backend's columns as wide as its widest cell."""
+    out: list[str] = []
+    for backend in dict.fromkeys(o.backend for o in outcomes):
+        rows = [o for o in outcomes if o.backend == backend]
+        targets = sorted({t for o in rows for t in o.npu_cycles})
+        out += [
+            *([""] if out else []),
+            f"{_title(backend)}:",
+            *_backend_table(rows, backend, targets),
+        ]
+    return "\n".join(out + _decision_lines(outcomes, explain))
+
+
+# room for a typical cell where the header is narrower (a wider cell shifts the rest of its row)
+_STREAM_WIDTHS = {"ops outside": 50, "median ms (p10–p90)": 24, "TOSA ops": 42, "max err": 8}
+
+
+class TableStream:
+    """The table a model at a time, so `etfold report` prints rows as they finish.
+
+    Columns have fixed widths: the header's, the longest model name, and room
+    for a typical cell. A section (title, header) starts whenever the backend
+    changes or a row brings NPU targets its section lacks; the fold decisions
+    follow the last row (`close`).
+    """
+
+    def __init__(self, model_width: int, *, explain: bool = False):
+        self._model_width = model_width
+        self._explain = explain
+        self._section: tuple[str, tuple[str, ...], list[int]] | None = None
+        self._outcomes: list[Outcome] = []
+
+    def add(self, outcomes: Sequence[Outcome]) -> list[str]:
+        lines: list[str] = []
+        for backend in dict.fromkeys(o.backend for o in outcomes):
+            rows = [o for o in outcomes if o.backend == backend]
+            lines += self._section_for(backend, {t for o in rows for t in o.npu_cycles})
+            _, targets, widths = self._section
+            lines += [_aligned(_table_cells(o, targets, len(widths)), widths) for o in rows]
+        self._outcomes += outcomes
+        return lines
+
+    def _section_for(self, backend: str, targets: set[str]) -> list[str]:
+        if self._section and self._section[0] == backend and targets <= set(self._section[1]):
+            return []
+        header = _table_header(backend, sorted(targets))
+        widths = [_STREAM_WIDTHS.get(h, len(h)) for h in header]
+        widths[0] = max(widths[0], self._model_width)
+        widths[-1] = 0  # the last column is never padded
+        lines = [""] if self._section else []
+        self._section = (backend, tuple(sorted(targets)), widths)
+        dashes = ["-" * max(w, len(h)) for w, h in zip(widths, header, strict=True)]
+        return [*lines, f"{_title(backend)}:", _aligned(header, widths), _aligned(dashes, widths)]
+
+    def close(self) -> list[str]:
+        return _decision_lines(self._outcomes, self._explain)
 
 
 def as_json_rows(outcomes: Sequence[Outcome]) -> list[dict]:

@@ -46,6 +46,7 @@ class CatalogueEntry:
     description: str
     module: str  # the module of this package defining it
     requires: tuple[str, ...] = ()  # Python modules it needs beyond the core dependencies
+    default: bool = False  # in the set a plain `etfold report` runs
 
     def missing(self) -> tuple[str, ...]:
         needed = (*BACKEND_REQUIRES.get(self.backend, ()), *self.requires)
@@ -94,13 +95,16 @@ def _entry_from_call(call: ast.expr, module: str) -> CatalogueEntry:
     keywords = {k.arg: k.value for k in call.keywords}
     description = ast.literal_eval(call.args[3] if len(call.args) > 3 else keywords["description"])
     requires = tuple(ast.literal_eval(keywords["requires"])) if "requires" in keywords else ()
-    return CatalogueEntry(name, backend, description, module, requires)
+    default = ast.literal_eval(keywords["default"]) if "default" in keywords else False
+    if not isinstance(default, bool):
+        raise TypeError("default must be a literal bool")
+    return CatalogueEntry(name, backend, description, module, requires, default)
 
 
 def _imported_entries(module: str) -> list[CatalogueEntry]:
     imported = importlib.import_module(f"{__name__}.{module}")
     return [
-        CatalogueEntry(m.name, m.backend, m.description, module, tuple(m.requires))
+        CatalogueEntry(m.name, m.backend, m.description, module, tuple(m.requires), m.default)
         for m in imported.MODELS
     ]
 

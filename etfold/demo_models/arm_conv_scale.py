@@ -77,5 +77,6 @@ MODELS = [
         "arm",
         _recurrent_cell,
         "conv × scale written back to a state buffer on TOSA INT: the fold declines (carried state)",
+        default=True,
     ),
 ]

@@ -119,5 +119,6 @@ MODELS = [
         _convnext_block,
         "ConvNeXt-style block with DyT (random gamma/beta) before a 1x1 conv, TOSA INT",
         calibration=_calibration,
+        default=True,
     ),
 ]

@@ -29,8 +29,11 @@ class DemoModel:
     (e.g. `enable_bf16=True`), so the comparison is like for like.
     `requires` names the Python modules the model needs beyond etfold's core
     dependencies (e.g. "transformers"); the report skips it, naming the extra
-    that brings them, when one is missing. Write the `DemoModel(...)` call
-    with literal strings so `etfold report --list` can read it without imports.
+    that brings them, when one is missing. `default` puts the model in the set
+    a plain `etfold report` runs (one model per fold family and backend, so the
+    default run stays a few minutes; `--all` runs every model). Write the
+    `DemoModel(...)` call with literal strings so `etfold report --list` can
+    read it without imports.
     """
 
     name: str
@@ -42,3 +45,4 @@ class DemoModel:
     requires: tuple[str, ...] = ()
     # a mixed-precision model's fp32 twin: the report shows its delegates and ops outside
     fp32_twin: Callable[[], Built] | None = None
+    default: bool = False

@@ -213,9 +213,9 @@ class TinyDecoder(torch.nn.Module):
             return self.gemm.linear(self.head, self.norm(x))
 
 
-def tiny_decoder(cast: str) -> torch.nn.Module:
+def tiny_decoder(cast: str, layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
-    return TinyDecoder(cast).eval()
+    return TinyDecoder(cast, layers=layers).eval()
 
 
 MODELS = [
@@ -231,6 +231,14 @@ MODELS = [
         lambda: (tiny_decoder("autocast"), (token_ids(),)),
         "Qwen2-style decoder, fp32 weights, exported under torch.autocast(bfloat16)",
         fp32_twin=lambda: (tiny_decoder("fp32"), (token_ids(),)),
+    ),
+    DemoModel(
+        "decoder_block_autocast_bf16",
+        "xnnpack",
+        lambda: (tiny_decoder("autocast", layers=1), (token_ids(),)),
+        "one block of that decoder (embedding, a layer, the head) under torch.autocast(bfloat16)",
+        fp32_twin=lambda: (tiny_decoder("fp32", layers=1), (token_ids(),)),
+        default=True,
     ),
     DemoModel(
         "decoder_explicit_bf16",

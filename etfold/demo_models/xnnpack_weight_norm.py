@@ -82,6 +82,14 @@ MODELS = [
         "(the benchmark uses T=499; stock runs the conv on portable kernels)",
     ),
     DemoModel(
+        "pos_conv_small",
+        "xnnpack",
+        lambda: positional_conv(100, channels=256, kernel=32),
+        "the same positional conv a quarter as wide: weight_norm(Conv1d(256,256,32,groups=16),dim=2)"
+        "+GELU at T=100 (stock's portable conv takes seconds per call at full size)",
+        default=True,
+    ),
+    DemoModel(
         "speecht5_hifigan_small",
         "xnnpack",
         lambda: hifigan(24),

@@ -8,6 +8,7 @@
 every bad input, no traceback unless --debug, lazy imports, every decision on --explain."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -153,8 +154,21 @@ def test_a_lowering_failure_with_debug_shows_its_traceback(capfd, tmp_path):
         (["--backend", "gpu"], "argument --backend: invalid choice: 'gpu'"),
         (["--model", "no_such_model"], "unknown model(s): no_such_model"),
         (["--model", "conv_block", "--program", "x.pt2"], "give --program or --model, not both"),
+        (["--all", "--program", "x.pt2"], "give --program or --all, not both"),
+        (["--json", "--jsonl"], "give --json or --jsonl, not both"),
+        (["--jobs", "0"], "argument --jobs: expected a whole number of at least 1"),
     ],
-    ids=["runs-0", "runs-text", "budget", "backend", "unknown-model", "program-and-model"],
+    ids=[
+        "runs-0",
+        "runs-text",
+        "budget",
+        "backend",
+        "unknown-model",
+        "program-and-model",
+        "program-and-all",
+        "json-and-jsonl",
+        "jobs-0",
+    ],
 )
 def test_bad_arguments(capfd, argv, fragment):
     try:
@@ -188,7 +202,9 @@ def test_list_json(capfd):
     assert code == 0 and err == []
     rows = json.loads(out)
     assert {"conv_block", "conv_block_int8"} <= {r["name"] for r in rows}
-    assert all(set(r) == {"name", "backend", "description", "missing_extras"} for r in rows)
+    fields = {"name", "backend", "description", "default", "missing_extras"}
+    assert all(set(r) == fields for r in rows)
+    assert 0 < sum(r["default"] for r in rows) < len(rows)
 
 
 class FiveWeightNormLayers(torch.nn.Module):
@@ -212,3 +228,39 @@ def test_explain_prints_every_decision_for_a_users_program(capfd, tmp_path):
     assert len(ours) >= 5, decisions
     assert len({line.rsplit("(", 1)[1] for line in ours}) == len(ours)  # each with its node
     assert not any("--explain lists all" in line for line in decisions)
+
+
+def test_rows_stream_to_stdout_as_each_model_finishes():
+    """Two workers: the first model's rows are out before the second model has finished
+    (stdout and stderr share one pipe, so their order is the order of writes)."""
+    models = ["--model", "conv_block", "--model", "mlp"]
+    result = subprocess.run(
+        [sys.executable, "-m", "etfold.cli", "report", *models, "--jsonl", "--jobs", "2", *FAST],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout
+    lines = result.stdout.splitlines()
+    assert lines[0] == "running: conv_block, mlp; 0 of 2 done, 0 waiting"
+    done = [i for i, line in enumerate(lines) if line.startswith("[")]
+    rows = [i for i, line in enumerate(lines) if line.startswith("{")]
+    assert len(done) == 2 and len(rows) == 4, lines
+    first = re.fullmatch(r"\[1/2\] (\w+) \(xnnpack\) … \d+\.\d s, ok", lines[done[0]])
+    assert first and re.fullmatch(r"\[2/2\] \w+ \(xnnpack\) … \d+\.\d s, ok", lines[done[1]])
+    assert [json.loads(lines[i])["model"] for i in rows[:2]] == [first.group(1)] * 2
+    assert done[0] < rows[0] < rows[1] < done[1] < rows[2]
+    assert {(r["model"], r["flavour"]) for r in map(json.loads, (lines[i] for i in rows))} == {
+        (m, f) for m in ("conv_block", "mlp") for f in ("stock", "etfold")
+    }
+
+
+def test_json_is_one_array_with_a_row_a_line(capfd, tmp_path):
+    path = _save(tmp_path, torch.nn.Linear(4, 2).eval(), (torch.randn(1, 4),))
+    code, out, err = _run(capfd, ["report", "--program", str(path), "--json", *FAST])
+    assert code == 0 and len(err) == 1
+    lines = out.splitlines()
+    assert lines[0] == "[" and lines[-1] == "]" and len(lines) == 4
+    assert [row["flavour"] for row in json.loads(out)] == ["stock", "etfold"]
+    assert [json.loads(line.rstrip(","))["flavour"] for line in lines[1:3]] == ["stock", "etfold"]

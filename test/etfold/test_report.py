@@ -6,11 +6,14 @@
 
 """`etfold report` lowers with stock and with etfold and runs both on the real runtime."""
 
+import io
 import json
+import re
 
 import torch
+from torch.nn.utils.parametrizations import weight_norm
 
-from etfold import cli, demo_models, report
+from etfold import cli, demo_models, report, report_workers
 from etfold.demo_models import all_models
 
 
@@ -32,7 +35,7 @@ def test_catalogue_read_from_source_matches_the_imported_models():
 def test_a_model_with_a_missing_extra_is_skipped_with_one_line_naming_it(monkeypatch, capsys):
     monkeypatch.setitem(demo_models.BACKEND_REQUIRES, "arm", ("etfold_no_such_module",))
     monkeypatch.setitem(demo_models.EXTRA_FOR_MODULE, "etfold_no_such_module", "arm")
-    assert cli.main(["report", "--backend", "arm", "--json"]) == 0
+    assert cli.main(["report", "--backend", "arm", "--all", "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out) == []
     arm = [e.name for e in demo_models.catalogue() if e.backend == "arm"]
@@ -40,7 +43,16 @@ def test_a_model_with_a_missing_extra_is_skipped_with_one_line_naming_it(monkeyp
 
 
 def test_report_runs_both_lowerings_on_the_runtime(capsys):
-    argv = ["report", "--model", "conv_block", "--model", "conv_block_int8", "--json"]
+    argv = [
+        "report",
+        "--model",
+        "conv_block",
+        "--model",
+        "conv_block_int8",
+        "--json",
+        "--jobs",
+        "1",
+    ]
     assert cli.main([*argv, "--runs", "20", "--budget", "0.05", "--no-npu"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["model"], r["flavour"]) for r in rows] == [
@@ -156,3 +168,192 @@ def test_stock_row_counts_upstreams_own_fold_and_the_decline_is_explained():
     assert "where etfold declined 1×" in note and f"{ours.pte_bytes - stock.pte_bytes:+,} B" in note
     table = report.format_table([stock, ours])
     assert f"recurrent_conv_cell_int8 [etfold] note     {note}" in table
+
+
+# the default run: one model per fold family and backend
+DEFAULT_BY_FAMILY = {
+    "parameter-only weight subgraphs (XNNPACK)": "pos_conv_small",
+    "fp16/bf16 converts (XNNPACK)": "decoder_block_autocast_bf16",
+    "scalar mul after conv, carried state (Arm)": "recurrent_conv_cell_int8",
+    "DyT (Arm)": "dyt_convnext_block",
+}
+
+
+def _selected(monkeypatch, capsys, *argv: str) -> list[str]:
+    """The models a run selects, read from the skip lines when no backend can run."""
+    for backend in ("xnnpack", "arm"):
+        monkeypatch.setitem(demo_models.BACKEND_REQUIRES, backend, ("etfold_no_such_module",))
+    monkeypatch.setitem(demo_models.EXTRA_FOR_MODULE, "etfold_no_such_module", "none")
+    assert cli.main(["report", "--json", *argv]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == []
+    lines = captured.err.splitlines()
+    assert all(line.startswith("skipped ") for line in lines), lines
+    return [name for line in lines for name in line[len("skipped ") :].split(":")[0].split(", ")]
+
+
+def test_all_selects_every_model_and_the_default_one_per_fold_family(monkeypatch, capsys):
+    every = [e.name for e in demo_models.catalogue()]
+    assert sorted(_selected(monkeypatch, capsys, "--all")) == sorted(every)
+    default = _selected(monkeypatch, capsys)
+    assert set(default) < set(every)
+    assert sorted(default) == sorted(DEFAULT_BY_FAMILY.values())
+    arm = _selected(monkeypatch, capsys, "--backend", "arm")
+    assert sorted(arm) == ["dyt_convnext_block", "recurrent_conv_cell_int8"]
+    assert _selected(monkeypatch, capsys, "--model", "mlp") == ["mlp"]
+    listed = {e.name for e in demo_models.catalogue() if e.default}
+    assert listed == set(default)
+
+
+def test_model_and_all_together_is_a_usage_error(capsys):
+    assert cli.main(["report", "--model", "mlp", "--all"]) == 2
+    assert "give --model or --all, not both" in capsys.readouterr().err
+
+
+def test_timing_gate_lets_a_timed_phase_run_only_while_no_other_worker_works():
+    import threading
+
+    gate = report_workers.TimingGate(threading, 2)
+    a_working, a_may_leave, b_alone, b_may_leave, a_back = (threading.Event() for _ in range(5))
+
+    def worker_a():
+        with gate.working():
+            a_working.set()
+            a_may_leave.wait()
+            gate.between()  # hands over to b's timed phase, and waits for it
+            a_back.set()
+
+    def worker_b():
+        a_working.wait()
+        with gate.working(), gate.alone():
+            b_alone.set()
+            b_may_leave.wait()
+
+    threads = [threading.Thread(target=worker_a), threading.Thread(target=worker_b)]
+    for thread in threads:
+        thread.start()
+    assert a_working.wait(10)
+    assert not b_alone.wait(0.2)  # b waits for a's step to end
+    a_may_leave.set()
+    assert b_alone.wait(10)
+    assert not a_back.wait(0.2)  # a's next step waits for b's timed phase
+    b_may_leave.set()
+    assert a_back.wait(10)
+    for thread in threads:
+        thread.join(10)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _finish(progress, name, backend="xnnpack", failure=None):
+    ref = report_workers.ModelRef(name, backend)
+    rows = [report.Outcome(name, backend, f, failure=failure) for f in report.FLAVOURS]
+    progress.finished(ref, rows, 1.25)
+
+
+def test_progress_lines_in_a_log():
+    log = io.StringIO()
+    progress = cli._Progress(log, 3)
+    for name in ("a", "b"):
+        progress.started(report_workers.ModelRef(name, "xnnpack"))
+    progress.tick()
+    progress.tick()  # nothing changed: nothing printed
+    _finish(progress, "b", failure="RuntimeError: boom")
+    progress.started(report_workers.ModelRef("c", "arm"))
+    progress.tick()
+    _finish(progress, "a")
+    progress.tick()
+    _finish(progress, "c", "arm")
+    assert log.getvalue().splitlines() == [
+        "running: a, b; 0 of 3 done, 1 waiting",
+        "[1/3] b (xnnpack) … 1.2 s, FAILED (stock and etfold): RuntimeError: boom",
+        "running: a, c; 1 of 3 done, 0 waiting",
+        "[2/3] a (xnnpack) … 1.2 s, ok",
+        "running: c; 2 of 3 done, 0 waiting",
+        "[3/3] c (arm) … 1.2 s, ok",
+    ]
+
+
+def test_progress_of_one_model_in_a_log_is_its_line_alone():
+    log = io.StringIO()
+    progress = cli._Progress(log, 1)
+    progress.started(report_workers.ModelRef("conv_block", "xnnpack"))
+    progress.tick()
+    _finish(progress, "conv_block")
+    assert log.getvalue() == "[1/1] conv_block (xnnpack) … 1.2 s, ok\n"
+
+
+def test_progress_on_a_terminal_rewrites_one_status_line():
+    terminal = _Terminal()
+    progress = cli._Progress(terminal, 2)
+    for name in ("a", "b"):
+        progress.started(report_workers.ModelRef(name, "xnnpack"))
+    progress.tick()
+    _finish(progress, "a")
+    progress.tick()
+    progress.clear()
+    erase = "\r\x1b[K"
+    status = re.escape(erase) + r"running: {} ; {} of 2 done, 0 waiting"
+    pattern = (
+        status.format(r"a \(\d+ s\), b \(\d+ s\)", 0)
+        + re.escape(erase + "[1/2] a (xnnpack) … 1.2 s, ok\n")
+        + status.format(r"b \(\d+ s\)", 1)
+        + re.escape(erase)
+    ).replace(" ;", ";")
+    assert re.fullmatch(pattern, terminal.getvalue()), repr(terminal.getvalue())
+
+
+class _WeightNormConv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = weight_norm(torch.nn.Conv1d(4, 8, 3, padding=1), name="weight", dim=0)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+def test_parallel_workers_give_the_rows_a_serial_run_gives(tmp_path):
+    torch.manual_seed(0)
+    programs = {
+        "linears.pt2": (_weight_norm_linears(), (torch.randn(2, 8),)),
+        "conv.pt2": (_WeightNormConv().eval(), (torch.randn(1, 4, 16),)),
+    }
+    refs = []
+    for name, (module, inputs) in programs.items():
+        torch.export.save(torch.export.export(module, inputs), tmp_path / name)
+        refs.append(report_workers.ModelRef(name, "xnnpack", program=str(tmp_path / name)))
+    options = report_workers.RunOptions(report.TimingPlan(budget_s=0.05, min_rounds=3), npu=False)
+
+    def run(jobs):
+        events, rows = [], {}
+
+        def finished(ref, outcomes, _seconds):
+            events.append(("finished", ref.name))
+            rows[ref.name] = outcomes
+
+        started = lambda ref: events.append(("started", ref.name))  # noqa: E731
+        report_workers.run_models(refs, options, jobs, started=started, finished=finished)
+        return events, rows
+
+    serial_events, serial = run(1)
+    parallel_events, parallel = run(2)
+    assert [kind for kind, _ in serial_events] == ["started", "finished"] * 2
+    assert [kind for kind, _ in parallel_events[:2]] == ["started", "started"]  # both at once
+
+    def deterministic(o):
+        fields = ("delegates", "ops_outside", "pte_bytes", "applied", "declined", "failure")
+        return (o.model, o.flavour, *(getattr(o, f) for f in fields))
+
+    assert {n: list(map(deterministic, rows)) for n, rows in parallel.items()} == {
+        n: list(map(deterministic, rows)) for n, rows in serial.items()
+    }
+    assert all(o.applied for rows in serial.values() for o in rows if o.flavour == "etfold")
+    assert all(o.timed_rounds >= 3 for rows in parallel.values() for o in rows)
+
+
+def _weight_norm_linears() -> torch.nn.Module:
+    layers = [weight_norm(torch.nn.Linear(8, 8), name="weight", dim=0) for _ in range(3)]
+    return torch.nn.Sequential(*layers).eval()
