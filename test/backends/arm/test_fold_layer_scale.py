@@ -29,7 +29,12 @@ from etfold.backends.arm._passes import fold_scalar_mul_into_conv_pass as fold
 from etfold.backends.arm.registration import upstream_folds_retired
 from etfold.decisions import collect_decisions
 from etfold.demo_models.arm_npu_blocks import CONVNEXT, VIT
-from etfold.harness.tosa_runner import INT, lower_module_tosa, output_scales
+from etfold.harness.tosa_runner import (
+    INT,
+    lower_module_tosa,
+    max_code_difference,
+    output_scales,
+)
 
 
 def mine(journal):
@@ -254,3 +259,45 @@ def test_user_module_is_untouched():
         lower_module_tosa(module, inputs, calibration=VIT[1]())
     for name, value in module.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+# ---- a DyT alpha right after a conv and a permute ----
+
+
+class ConvThenDyTAlpha(torch.nn.Module):
+    """conv -> NHWC permute -> tanh(alpha * y): alpha is a scalar scale on the conv's
+    output, through a layout op, so the scalar-mul fold reaches it before calibration."""
+
+    def __init__(self, alpha: float):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 1)
+        self.alpha = torch.nn.Parameter(torch.tensor([alpha]))
+
+    def forward(self, x):
+        return torch.tanh(self.alpha * self.conv(x).permute(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("alpha", [0.5, 1.7])
+def test_dyt_alpha_after_a_conv_folds_into_the_conv_leaving_the_tanh_table(alpha):
+    """Where upstream's alpha-into-TABLE fold would take alpha, etfold's scalar-mul fold
+    takes it first (into the conv weight, before calibration): the same TOSA ops as
+    alpha in the TABLE (one conv, one TABLE, no MUL) and the unfolded lowering's codes."""
+    torch.manual_seed(0)
+    module = ConvThenDyTAlpha(alpha).eval()
+    generator = torch.Generator().manual_seed(1)
+    calibration = [(torch.randn(1, 3, 6, 6, generator=generator),) for _ in range(3)]
+    with arm_folds_registered(), collect_decisions() as journal:
+        folded, _ = lower_module_tosa(
+            copy.deepcopy(module), calibration[0], calibration=calibration
+        )
+    with upstream_folds_retired():
+        unfolded, _ = lower_module_tosa(
+            copy.deepcopy(module), calibration[0], calibration=calibration
+        )
+    assert [(d.fold, d.applied) for d in journal] == [(fold.FOLD, True)]
+    counts = folded.operator_counts()
+    assert (counts["CONV2D"], counts["TABLE"], counts["MUL"]) == (1, 1, 0)
+    assert unfolded.operator_counts()["MUL"] == 1
+    for _ in range(3):
+        x = torch.randn(1, 3, 6, 6, generator=generator)
+        assert max_code_difference(folded.run(x), unfolded.run(x)) <= 1
