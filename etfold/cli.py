@@ -282,7 +282,8 @@ class _Progress:
 
 
 class _Rows:
-    """stdout as models finish: table rows, a JSON array (one row a line), or JSON Lines."""
+    """stdout as models finish: table rows, a JSON array (a row a line, each after the
+    first led by its comma), or JSON Lines."""
 
     def __init__(self, mode: str, names: list[str], explain: bool):
         from etfold import report
@@ -299,8 +300,9 @@ class _Rows:
         rows = [json.dumps(_json_safe(r)) for r in report.as_json_rows(outcomes)]
         if self._mode == "table":
             text = "".join(f"{line}\n" for line in self._table.add(outcomes))
-        elif self._mode == "json":
-            text = (",\n" if self.outcomes and rows else "") + ",\n".join(rows)
+        elif self._mode == "json":  # comma first: every line is complete when written
+            lead = [" " if not self.outcomes and i == 0 else "," for i in range(len(rows))]
+            text = "".join(f"{c}{r}\n" for c, r in zip(lead, rows, strict=True))
         else:
             text = "".join(f"{r}\n" for r in rows)
         self.outcomes += outcomes
@@ -310,7 +312,7 @@ class _Rows:
         if self._mode == "table":
             self._write("".join(f"{line}\n" for line in self._table.close()))
         elif self._mode == "json":
-            self._write("\n]\n" if self.outcomes else "]\n")
+            self._write("]\n")
 
     @staticmethod
     def _write(text: str) -> None:

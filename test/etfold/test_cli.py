@@ -263,4 +263,5 @@ def test_json_is_one_array_with_a_row_a_line(capfd, tmp_path):
     lines = out.splitlines()
     assert lines[0] == "[" and lines[-1] == "]" and len(lines) == 4
     assert [row["flavour"] for row in json.loads(out)] == ["stock", "etfold"]
-    assert [json.loads(line.rstrip(","))["flavour"] for line in lines[1:3]] == ["stock", "etfold"]
+    assert lines[1].startswith(" {") and lines[2].startswith(",{")  # each line whole when written
+    assert [json.loads(line[1:])["flavour"] for line in lines[1:3]] == ["stock", "etfold"]
