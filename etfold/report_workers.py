@@ -215,6 +215,7 @@ def run_models(
     if jobs == 1:
         for ref in refs:
             started(ref)
+            tick()
             finished(ref, *evaluate(ref, options))
         return
     context = multiprocessing.get_context("spawn")
@@ -241,11 +242,11 @@ def _schedule(pool, refs, options, jobs, started, finished, tick, tick_s) -> Non
             ref = waiting.pop(0)
             running[pool.submit(_evaluate_in_worker, ref, options)] = ref
             started(ref)
+        tick()
         done, _ = wait(running, timeout=tick_s, return_when=FIRST_COMPLETED)
         for future in done:
             ref = running.pop(future)
             finished(ref, *future.result())
-        tick()
 
 
 def _terminate(pool: ProcessPoolExecutor) -> None:
