@@ -47,9 +47,7 @@ TABLE = exir_ops.backend.tosa.TABLE.default
 MUL = exir_ops.edge.aten.mul.Tensor
 ADD = exir_ops.edge.aten.add.Tensor
 VIEW = exir_ops.edge.aten.view_copy.default
-PERMUTE = exir_ops.edge.aten.permute_copy.default
 SLICE = exir_ops.edge.aten.slice_copy.Tensor
-CONVOLUTION = exir_ops.edge.aten.convolution.default
 TANH = exir_ops.edge.aten.tanh.default
 
 
@@ -85,13 +83,6 @@ def single_qargs(node: Node, key: str) -> QuantArgs | None:
     if not isinstance(qargs, QuantArgs) or qargs.per_channel:
         return None
     return qargs
-
-
-def shape_of(node: Node) -> tuple[int, ...] | None:
-    value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor) or not all(type(d) is int for d in value.shape):
-        return None
-    return tuple(value.shape)
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,12 @@ from executorch.backends.arm._passes.arm_pass import ArmPass
 from executorch.exir.pass_base import ExportPass, PassResult
 from torch.fx import GraphModule, Node
 
+from etfold.backends.arm._passes.conv_arguments import (
+    ConvArguments,
+    conv_arguments,
+    set_conv_argument,
+)
 from etfold.backends.arm._passes.graph_utils import (
-    axis_before_layout_op,
     channel_vector,
     constant_tensor,
     conv_input_channels,
@@ -53,6 +57,8 @@ from etfold.backends.arm._passes.graph_utils import (
     ensure_fake_values,
     fresh_constant_name,
 )
+from etfold.backends.arm._passes.layout_axes import Layout, axis_before_layout_op, layout_kind
+from etfold.backends.arm._passes.node_shapes import rank_of
 from etfold.decisions import Declined, record_declined
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
 
@@ -62,20 +68,12 @@ MAX_GAMMA_SPREAD = 8.0
 MAX_SHIFT = 4.0
 
 _aten = torch.ops.aten
-_CONVS = (_aten.conv2d.default, _aten.convolution.default)
-_LINEARS = (_aten.linear.default,)
-_VIEWS = (_aten.view.default, _aten.reshape.default, _aten.view_copy.default)
-_PERMUTES = (_aten.permute.default, _aten.permute_copy.default)
-_LAYOUT_OTHER = (
-    _aten.slice.Tensor,
-    _aten.slice_copy.Tensor,
-    _aten.view.default,
-    _aten.reshape.default,
-    _aten.transpose.int,
-)
 _MULS = (_aten.mul.Tensor,)
 _ADDS = (_aten.add.Tensor,)
 _TANH = (_aten.tanh.default,)
+_SLICES = (_aten.slice.Tensor, _aten.slice_copy.Tensor)
+# what may sit between the affine and the layer; only permutes and views fold
+_WALKED = (Layout.PERMUTE, Layout.VIEW, Layout.TRANSPOSE)
 
 
 @dataclass(frozen=True)
@@ -85,7 +83,7 @@ class _Conv:
     bias_node: Node | None
     weight: torch.Tensor
     bias: torch.Tensor | None
-    padding: tuple[int, ...]
+    padded: bool
     groups: int
 
 
@@ -102,15 +100,6 @@ class _Site:
     beta_arg: object
 
 
-def _linear(node: Node) -> _Conv | None:
-    """A linear as a conv with no spatial dims: weight [out, in], no padding, one group."""
-    args = [*node.args, None][:3]
-    if not isinstance(args[1], Node):
-        return None
-    constants = _constant_weight_and_bias(args[1], args[2], weight_dims=2)
-    return None if constants is None else _Conv(node, args[1], *constants, (), 1)
-
-
 def _constant_weight_and_bias(weight_node: Node, bias_arg, weight_dims: int):
     """(bias node or None, weight, bias or None) when the weight, and any bias, are constants."""
     weight = constant_tensor(weight_node)
@@ -122,25 +111,26 @@ def _constant_weight_and_bias(weight_node: Node, bias_arg, weight_dims: int):
 
 
 def _conv(node: Node) -> _Conv | None:
-    if node.op == "call_function" and node.target in _LINEARS:
-        return _linear(node)
-    if node.op != "call_function" or node.target not in _CONVS:
+    """A plain 2-D conv (int padding) or a linear (a conv with no spatial dims: weight
+    [out, in], no padding, one group) with constant weight and bias."""
+    arguments = _plain_layer(node)
+    if arguments is None or not isinstance(arguments.weight, Node):
         return None
-    args = list(node.args)
-    if node.target == _aten.conv2d.default:
-        defaults = [None, None, None, [1, 1], [0, 0], [1, 1], 1]
-        args = args + defaults[len(args) :]
-        stride, padding, dilation, groups = args[3:7]
-        transposed = False
-    else:
-        stride, padding, dilation, transposed, _, groups = args[3:9]
-    if transposed or not isinstance(args[1], Node) or not isinstance(groups, int):
+    if not all(isinstance(p, int) for p in arguments.padding):
         return None
-    padding = (padding,) * 2 if isinstance(padding, int) else padding
-    if not isinstance(padding, (list, tuple)) or not all(isinstance(p, int) for p in padding):
+    dims = 2 if arguments.linear else 4
+    constants = _constant_weight_and_bias(arguments.weight, arguments.bias, weight_dims=dims)
+    if constants is None:
         return None
-    constants = _constant_weight_and_bias(args[1], args[2], weight_dims=4)
-    return None if constants is None else _Conv(node, args[1], *constants, tuple(padding), groups)
+    return _Conv(node, arguments.weight, *constants, arguments.padded, arguments.groups)
+
+
+def _plain_layer(node: Node) -> ConvArguments | None:
+    """The arguments of a linear or a 2-D conv that is not transposed."""
+    arguments = conv_arguments(node)
+    if isinstance(arguments, Declined) or arguments.transposed:
+        return None
+    return arguments if arguments.linear or arguments.spatial_dims == 2 else None
 
 
 def _constant_operand(node: Node) -> tuple[int, object] | None:
@@ -156,25 +146,18 @@ def _constant_operand(node: Node) -> tuple[int, object] | None:
     return None
 
 
-def _rank(node: object) -> int | None:
-    value = node.meta.get("val") if isinstance(node, Node) else None
-    return value.dim() if isinstance(value, torch.Tensor) else None
-
-
 def _site(node: Node) -> _Site | None:
     conv = _conv(node)
     if conv is None:
         return None
     layout: list[Node] = []
     current = node.args[0]
-    rank = _rank(current)
+    rank = rank_of(current)
     if rank is None:
         return None
     axis: int | None = rank - 1 if conv.weight.dim() == 2 else 1
-    while (
-        isinstance(current, Node)
-        and current.op == "call_function"
-        and (current.target in _PERMUTES or current.target in _LAYOUT_OTHER)
+    while layout_kind(current) in _WALKED or (
+        isinstance(current, Node) and current.op == "call_function" and current.target in _SLICES
     ):
         axis = axis_before_layout_op(current, axis)
         layout.append(current)
@@ -215,8 +198,8 @@ def _site(node: Node) -> _Site | None:
 
 
 def layout_is_one_permute(site: _Site) -> Declined | None:
-    permutes = sum(n.target in _PERMUTES for n in site.layout)
-    views = sum(n.target in _VIEWS for n in site.layout)
+    permutes = sum(layout_kind(n) is Layout.PERMUTE for n in site.layout)
+    views = sum(layout_kind(n) is Layout.VIEW for n in site.layout)
     if permutes > 1 or len(site.layout) != permutes + views or site.channel_axis is None:
         return Declined(
             "ambiguous layout provenance: only one permute, and views keeping the channel "
@@ -245,7 +228,7 @@ def _vector(arg: object, channels: int, axis: int, rank: int) -> torch.Tensor | 
 def constants_are_channel_vectors(
     site: _Site, channels: int
 ) -> tuple[torch.Tensor, torch.Tensor] | Declined:
-    rank = _rank(site.output)
+    rank = rank_of(site.output)
     gamma = (
         _vector(site.gamma_arg, channels, site.channel_axis, rank)
         if site.mul
@@ -296,7 +279,7 @@ def padded_beta_can_stay(
     site: _Site, gamma: torch.Tensor, beta: torch.Tensor
 ) -> torch.Tensor | Declined | None:
     """None when unpadded; else beta / gamma (0 where both are 0), or why it cannot stay."""
-    if not any(site.conv.padding) or not bool((beta != 0).any()):
+    if not site.conv.padded or not bool((beta != 0).any()):
         return None
     if bool(((gamma == 0) & (beta != 0)).any()):
         return Declined(
@@ -375,15 +358,11 @@ def rewrite_float_affine(graph_module: GraphModule, match: FloatAffineMatch) -> 
     weight_node = fresh(
         conv.weight_node, f"{conv.weight_node.target}_times_dyt_gamma", match.weight
     )
-    args = list(conv.node.args)
-    if conv.node.target in (_aten.conv2d.default, *_LINEARS) and len(args) < 3:
-        args.append(None)
-    args[1] = weight_node
+    set_conv_argument(conv.node, "weight", weight_node)
     if match.bias is not None:
         like = conv.bias_node if conv.bias_node is not None else conv.weight_node
-        stem = f"{conv.bias_node.target if conv.bias_node is not None else conv.weight_node.target}_plus_dyt_beta"
-        args[2] = fresh(like, stem, match.bias)
-    conv.node.args = tuple(args)
+        stem = f"{like.target}_plus_dyt_beta"
+        set_conv_argument(conv.node, "bias", fresh(like, stem, match.bias))
 
     new_input: Node = site.tanh
     if match.shifted_beta is not None:
@@ -420,11 +399,7 @@ class FoldDyTAffineIntoConvFloatPass(ArmPass):
         super().__init__(tfa_pass=tfa_pass)
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        layers = [
-            n
-            for n in graph_module.graph.nodes
-            if n.op == "call_function" and n.target in (*_CONVS, *_LINEARS)
-        ]
+        layers = [n for n in graph_module.graph.nodes if _plain_layer(n) is not None]
         if layers and (declined := ensure_fake_values(graph_module)) is not None:
             record_declined(FOLD, layers[0].name, declined.reason)
             return PassResult(graph_module, False)

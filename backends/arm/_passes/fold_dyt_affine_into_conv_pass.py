@@ -43,31 +43,34 @@ from executorch.exir import ExportedProgram
 from executorch.exir.pass_base import ExportPass
 from torch.fx import GraphModule, Node
 
+from etfold.backends.arm._passes.conv_arguments import (
+    NOT_A_LAYER,
+    ConvArguments,
+    conv_arguments,
+    set_conv_argument,
+)
 from etfold.backends.arm._passes.dyt_match import (
     ADD,
-    CONVOLUTION,
     MUL,
-    PERMUTE,
     RESCALE,
     SLICE,
     TABLE,
-    VIEW,
     IntegerDyTFoldPass,
     constant_of,
     erase_unused,
     int32_constant_operand,
     rescale_of,
-    shape_of,
     single_qargs,
 )
 from etfold.backends.arm._passes.graph_utils import (
     NAME_DIGEST_LENGTH,
-    axis_before_layout_op,
     channel_vector,
     conv_input_channels,
     create_constant,
     fresh_constant_name,
 )
+from etfold.backends.arm._passes.layout_axes import Layout, axis_before_layout_op, layout_kind
+from etfold.backends.arm._passes.node_shapes import static_shape
 from etfold.backends.arm._passes.tosa_integer import (
     INT32_MAX,
     INT32_MIN,
@@ -110,6 +113,7 @@ class _Layout:
 @dataclass(frozen=True)
 class _Site:
     conv: Node
+    arguments: ConvArguments | Declined  # Declined: groups or transposed not constants
     layout: _Layout
     output: Node  # the int8 RESCALE whose codes the conv reads
     table: Node
@@ -119,7 +123,7 @@ class _Site:
 def _slice_index(node: Node, axis: int | None, index: torch.Tensor | None):
     """The chain channels a channel-axis slice keeps (composed with `index`); False: unreadable."""
     dim = int(node.args[1]) if len(node.args) > 1 else 0
-    source_shape = shape_of(node.args[0])
+    source_shape = static_shape(node.args[0])
     if source_shape is None:
         return False
     if axis is None or dim % len(source_shape) != axis:
@@ -138,12 +142,10 @@ def _layout(conv: Node) -> _Layout | None:
     axis: int | None = 1
     index: torch.Tensor | None = None
     permutes = slices = 0
-    while (
-        isinstance(node, Node)
-        and node.op == "call_function"
-        and node.target in (PERMUTE, SLICE, VIEW)
+    while layout_kind(node) in (Layout.PERMUTE, Layout.VIEW) or (
+        isinstance(node, Node) and node.op == "call_function" and node.target == SLICE
     ):
-        shape = shape_of(node)
+        shape = static_shape(node)
         if shape is None or not isinstance(node.args[0], Node):
             return None
         if node.target == SLICE:
@@ -152,7 +154,7 @@ def _layout(conv: Node) -> _Layout | None:
             if index is False:
                 return None
         else:
-            permutes += node.target == PERMUTE
+            permutes += layout_kind(node) is Layout.PERMUTE
             axis = axis_before_layout_op(node, axis)
         nodes.append(node)
         node = node.args[0]
@@ -202,7 +204,8 @@ def _chain(
 
 
 def _site(exported_program: ExportedProgram, conv: Node) -> _Site | None:
-    if conv.op != "call_function" or conv.target != CONVOLUTION or len(conv.args) < 9:
+    arguments = _edge_convolution(conv)
+    if arguments is None:
         return None
     layout = _layout(conv)
     if layout is None:
@@ -216,17 +219,26 @@ def _site(exported_program: ExportedProgram, conv: Node) -> _Site | None:
     table, steps = found
     if not any(s.op is not None for s in steps):
         return None
-    return _Site(conv, layout, output, table, steps)
+    return _Site(conv, arguments, layout, output, table, steps)
+
+
+def _edge_convolution(node: Node) -> ConvArguments | Declined | None:
+    """The arguments of a conv call (not a linear: the backend has made those convs by
+    now), a Declined when they are not constants, None for any other node."""
+    arguments = conv_arguments(node)
+    if isinstance(arguments, Declined):
+        return None if arguments.reason == NOT_A_LAYER else arguments
+    return None if arguments.linear else arguments
 
 
 # --- predicates: each answers Declined(reason), or None when it holds -------------------
 
 
 def conv_is_plain(site: _Site) -> Declined | None:
-    if bool(site.conv.args[6]):
+    if isinstance(site.arguments, Declined):
+        return site.arguments
+    if site.arguments.transposed:
         return Declined("the conv is transposed")
-    if not isinstance(site.conv.args[8], int) or site.conv.args[8] < 1:
-        return Declined("the conv's groups are not a constant integer")
     return None
 
 
@@ -309,7 +321,7 @@ def conv_zero_point_matches(site: _Site) -> Declined | None:
 
 
 def table_shape_is_conv_shape(site: _Site) -> Declined | None:
-    table_shape, output_shape = shape_of(site.table), shape_of(site.output)
+    table_shape, output_shape = static_shape(site.table), static_shape(site.output)
     if table_shape is None or table_shape != output_shape:
         return Declined("unsupported layout: the TABLE output is broadcast by the affine")
     return None
@@ -320,7 +332,7 @@ def constants_broadcast_along_channels(site: _Site, channels: int) -> list[torch
     for step in site.steps:
         if step.op is None:
             continue
-        rank = len(shape_of(site.table))
+        rank = len(static_shape(site.table))
         vector = channel_vector(step.constant, rank, site.layout.chain_axis, channels)
         if vector is None:
             return Declined(
@@ -387,9 +399,7 @@ def map_is_exactly_affine(
 
 
 def padding_keeps_one_bias(site: _Site, fit: AffineFit, read: torch.Tensor) -> Declined | None:
-    padding = site.conv.args[4]
-    padded = not isinstance(padding, (list, tuple)) or any(p != 0 for p in padding)
-    if padded and bool((fit.offsets[read] != 0).any()):
+    if site.arguments.padded and bool((fit.offsets[read] != 0).any()):
         return Declined("padded conv: beta's contribution at the border is not one bias")
     return None
 
@@ -406,14 +416,14 @@ class _Conv:
 def conv_constants_supported(
     exported_program: ExportedProgram, site: _Site, channels: int
 ) -> _Conv | Declined:
-    weight_node, bias_node = site.conv.args[1], site.conv.args[2]
+    weight_node, bias_node = site.arguments.weight, site.arguments.bias
     weight = constant_of(exported_program, weight_node)
     bias = constant_of(exported_program, bias_node)
     if weight is None or weight.dtype != torch.int8 or weight.dim() != 4:
         return Declined("unsupported constant: the conv weight is not a constant int8 4-D tensor")
     if bias is None or bias.dtype != torch.int32 or bias.shape != (weight.shape[0],):
         return Declined("unsupported constant: the conv bias is not a constant int32 vector")
-    groups = site.conv.args[8]
+    groups = site.arguments.groups
     out_channels, per_group = weight.shape[0], weight.shape[1]
     conv_in_channels = per_group * groups
     available = channels if site.layout.channel_index is None else site.layout.channel_index.numel()
@@ -538,7 +548,7 @@ def match_affine_into_conv(
     for predicate in (table_shape_is_conv_shape, layout_keeps_the_channel_axis):
         if (declined := predicate(site)) is not None:
             return declined
-    channels = shape_of(site.table)[site.layout.chain_axis]
+    channels = static_shape(site.table)[site.layout.chain_axis]
     vectors = constants_broadcast_along_channels(site, channels)
     if isinstance(vectors, Declined):
         return vectors
@@ -617,7 +627,8 @@ def rewrite_affine_into_conv(
     if not torch.equal(match.bias, constant_of(exported_program, bias_node)):
         bias_node = _fresh_constant(graph_module, exported_program, bias_node, conv, match.bias)
     reader = match.layout[-1] if match.layout else conv
-    conv.args = (conv.args[0], weight_node, bias_node, *conv.args[3:])
+    set_conv_argument(conv, "weight", weight_node)
+    set_conv_argument(conv, "bias", bias_node)
     table_qargs = single_qargs(match.table, "output_qparams")
     reader.replace_input_with(match.output, match.table)
     node = conv.args[0]

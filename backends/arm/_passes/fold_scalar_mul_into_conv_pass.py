@@ -46,28 +46,32 @@ from dataclasses import dataclass, field
 
 import torch
 from executorch.backends.arm._passes.arm_pass import ArmPass
-from executorch.exir.dialects._ops import ops as exir_ops
 from executorch.exir.pass_base import ExportPass
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from etfold.backends.arm._passes.carried_state import carried_region
+from etfold.backends.arm._passes.conv_arguments import (
+    ConvArguments,
+    conv_arguments,
+    set_conv_argument,
+)
 from etfold.backends.arm._passes.graph_utils import (
     NAME_DIGEST_LENGTH,
-    axis_through_view,
     channel_vector,
     constant_tensor,
     create_constant,
     delete_constant_if_unused,
     fresh_constant_name,
     is_inference_noop,
-    is_layout,
     meet,
     twin_layers,
 )
+from etfold.backends.arm._passes.layout_axes import axis_after_layout_op, is_layout
+from etfold.backends.arm._passes.node_shapes import static_shape
 from etfold.decisions import Declined
-from etfold.exir.passes.graph_walk import tensor_digest
+from etfold.exir.passes.graph_walk import tensor_digest, underlying_op
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
 
 FOLD = "arm.scalar_mul_into_conv"
@@ -142,59 +146,12 @@ NOT_QUANTIZED_LAYER = (
 )
 
 # how an add or sub combines its two operands: +1 adds them, -1 subtracts one
-_COMBINE_SIGNS = {
-    torch.ops.aten.add.Tensor: 1,
-    exir_ops.edge.aten.add.Tensor: 1,
-    torch.ops.aten.sub.Tensor: -1,
-    exir_ops.edge.aten.sub.Tensor: -1,
-}
-
-_MULS = {
-    torch.ops.aten.mul.Tensor,
-    torch.ops.aten.mul.Scalar,
-    exir_ops.edge.aten.mul.Tensor,
-    exir_ops.edge.aten.mul.Scalar,
-}
+_COMBINE_SIGNS = {torch.ops.aten.add.Tensor: 1, torch.ops.aten.sub.Tensor: -1}
+_MULS = frozenset({torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar})
 
 
-@dataclass(frozen=True)
-class ConvSignature:
-    """Where an overload keeps its bias and groups, and whether it transposes."""
-
-    groups_index: int
-    transposed: bool = False
-    transposed_index: int | None = None  # the flag argument, for aten.convolution
-
-    def is_transposed(self, conv: Node) -> bool:
-        if self.transposed_index is None:
-            return self.transposed
-        return bool(_arg(conv, self.transposed_index, "transposed", False))
-
-
-BIAS_INDEX = 2
-_ATEN_CONV = ConvSignature(groups_index=6)
-_ATEN_CONV_TRANSPOSE = ConvSignature(groups_index=6, transposed=True)
-_CONVOLUTION = ConvSignature(groups_index=8, transposed_index=6)
-
-_CONVS: dict[object, ConvSignature] = {
-    torch.ops.aten.conv1d.default: _ATEN_CONV,
-    torch.ops.aten.conv2d.default: _ATEN_CONV,
-    torch.ops.aten.conv3d.default: _ATEN_CONV,
-    torch.ops.aten.conv1d.padding: _ATEN_CONV,
-    torch.ops.aten.conv2d.padding: _ATEN_CONV,
-    torch.ops.aten.conv3d.padding: _ATEN_CONV,
-    torch.ops.aten.conv_transpose1d.default: _ATEN_CONV_TRANSPOSE,
-    torch.ops.aten.conv_transpose2d.input: _ATEN_CONV_TRANSPOSE,
-    torch.ops.aten.conv_transpose3d.input: _ATEN_CONV_TRANSPOSE,
-    torch.ops.aten.convolution.default: _CONVOLUTION,
-    exir_ops.edge.aten.convolution.default: _CONVOLUTION,
-}
-_LINEAR = ConvSignature(groups_index=-1)
-_LAYERS: dict[object, ConvSignature] = {
-    **_CONVS,
-    torch.ops.aten.linear.default: _LINEAR,
-    exir_ops.edge.aten.linear.default: _LINEAR,
-}
+def _is_mul(node: Node) -> bool:
+    return node.op == "call_function" and underlying_op(node.target) in _MULS
 
 
 @dataclass(frozen=True)
@@ -212,32 +169,8 @@ class ConvScaleMatch:
     groups: int
 
 
-def _arg(node: Node, index: int, name: str | None, default=None):
-    if len(node.args) > index:
-        return node.args[index]
-    if name is not None and name in node.kwargs:
-        return node.kwargs[name]
-    return default
-
-
-def _with_arg(node: Node, index: int, name: str, value) -> None:
-    if len(node.args) > index:
-        args = list(node.args)
-        args[index] = value
-        node.args = tuple(args)
-    else:
-        node.kwargs = {**node.kwargs, name: value}
-
-
 def _out_channels(weight: torch.Tensor, transposed: bool, groups: int) -> int:
     return int(weight.shape[1]) * groups if transposed else int(weight.shape[0])
-
-
-def _static_shape(node: object) -> tuple[int, ...] | None:
-    value = node.meta.get("val") if isinstance(node, Node) else None
-    if not isinstance(value, torch.Tensor) or not all(type(d) is int for d in value.shape):
-        return None
-    return tuple(value.shape)
 
 
 def is_transparent(node: object) -> bool:
@@ -250,21 +183,12 @@ def is_transparent(node: object) -> bool:
 
 
 def channel_axis_after(node: Node, axis: int) -> int | None:
-    """The channel axis of `node`'s output, given it is `axis` of its input; None if mixed."""
-    source, result = _static_shape(node.args[0]), _static_shape(node)
-    if source is None or result is None:
-        return None
-    kind = str(getattr(node.target, "_name", node.target)).split(".")[0]
-    if kind in ("aten::permute", "aten::permute_copy"):
-        order = [d % len(source) for d in node.args[1]]
-        return order.index(axis)
-    if kind in ("aten::transpose", "aten::transpose_copy", "aten::t"):
-        pair = (0, 1) if len(node.args) < 3 else (int(node.args[1]), int(node.args[2]))
-        dims = tuple(d % len(source) for d in pair)
-        return dims[1] if axis == dims[0] else dims[0] if axis == dims[1] else axis
+    """The channel axis of `node`'s output, given it is `axis` of its input; None if mixed
+    (or unknown: no static shapes)."""
     if is_layout(node):
-        return axis_through_view(source, result, axis)
-    return axis if source == result else None
+        return axis_after_layout_op(node, axis)
+    source = static_shape(node.args[0])
+    return axis if source is not None and source == static_shape(node) else None
 
 
 # ---- predicates: one per precondition ---------------------------------------
@@ -364,9 +288,9 @@ def keeps_conv_output(conv: Node, mul: Node) -> bool:
     return conv_val.shape == mul_val.shape and conv_val.dtype == mul_val.dtype
 
 
-def channel_axis_at(conv: Node, chain: tuple[Node, ...]) -> int | None:
+def channel_axis_at(arguments: ConvArguments, chain: tuple[Node, ...]) -> int | None:
     """The layer's output-channel axis as the multiply sees it, or None if the chain mixes it."""
-    axis: int | None = conv.meta["val"].dim() - 1 if _LAYERS[conv.target] is _LINEAR else 1
+    axis: int | None = arguments.output_channel_axis(arguments.node.meta["val"].dim())
     for node in chain:
         axis = channel_axis_after(node, axis)
         if axis is None:
@@ -386,11 +310,7 @@ def layer_operand(mul: Node) -> tuple[Node, tuple[Node, ...], object] | None:
         while is_transparent(operand):
             chain.append(operand)
             operand = operand.args[0]
-        if (
-            isinstance(operand, Node)
-            and operand.op == "call_function"
-            and operand.target in _LAYERS
-        ):
+        if isinstance(conv_arguments(operand), ConvArguments):
             return operand, tuple(reversed(chain)), mul.args[1 - position]
     return None
 
@@ -433,7 +353,7 @@ class FoldScalarMulIntoConvPass(ArmPass):
         if len(twin.users) != 1:
             return None
         reader = next(iter(twin.users))
-        if not (reader.op == "call_function" and reader.target in _MULS):
+        if not _is_mul(reader):
             return twin, torch.ones((), dtype=torch.float64)
         found = layer_operand(reader)
         if found is None or found[0] is not twin or found[1]:
@@ -454,7 +374,7 @@ class FoldScalarMulIntoConvPass(ArmPass):
             return False
         twin_product, twin_scale = scaled
         combine = next(iter(mul.users))
-        sign = _COMBINE_SIGNS.get(combine.target)
+        sign = _COMBINE_SIGNS.get(underlying_op(combine.target))
         meets = set(combine.args[:2]) == {mul, twin_product} and len(twin_product.users) == 1
         if sign is None or not meets or combine.kwargs.get("alpha", 1) != 1:
             return False
@@ -472,7 +392,7 @@ class FoldScalarMulIntoConvPass(ArmPass):
         if operands is None:
             return None
         conv, chain, scale = operands
-        signature = _LAYERS[conv.target]
+        arguments = conv_arguments(conv)
 
         if not is_allowed(self, conv):
             return Declined(NOT_QUANTIZED_LAYER.format(op=_op_name(conv)))
@@ -487,13 +407,13 @@ class FoldScalarMulIntoConvPass(ArmPass):
         if not has_shape_metadata(conv, mul, *chain):
             return Declined(NO_SHAPE)
 
-        weight = _arg(conv, 1, "weight")
+        weight = arguments.weight
         weight_tensor = constant_tensor(weight, program) if isinstance(weight, Node) else None
         if not is_constant(weight_tensor):
             return Declined(WEIGHT_NOT_CONSTANT)
         if not is_float_conv(self, conv, mul, weight_tensor):
             return Declined(QUANTIZED)
-        bias = _arg(conv, BIAS_INDEX, "bias")
+        bias = arguments.bias
         if bias is not None and not isinstance(bias, Node):
             return Declined(BIAS_NOT_CONSTANT)
         bias_tensor = constant_tensor(bias, program) if bias is not None else None
@@ -509,10 +429,9 @@ class FoldScalarMulIntoConvPass(ArmPass):
             return Declined(CARRIED_STATE_NOT_POWER_OF_TWO)
         if self.is_tfa_pass and not self._twins_add_up(mul, conv, chain, scale_tensor, program):
             return Declined(TWIN_BEFORE_CALIBRATION)
-        transposed = signature.is_transposed(conv)
-        groups = 1 if signature is _LINEAR else int(_arg(conv, signature.groups_index, "groups", 1))
+        transposed, groups = arguments.transposed, arguments.groups
         out_channels = _out_channels(weight_tensor, transposed, groups)
-        channel_axis = channel_axis_at(conv, chain)
+        channel_axis = channel_axis_at(arguments, chain)
         if channel_axis is None:
             return Declined(CHANNELS_MIXED)
         output_shape = operand.meta["val"].shape
@@ -554,13 +473,13 @@ class FoldScalarMulIntoConvPass(ArmPass):
         new_weight = create_constant(
             graph_module, program, like=m.weight, name=fresh(m.weight), data=folded_weight
         )
-        _with_arg(m.conv, 1, "weight", new_weight)
+        set_conv_argument(m.conv, "weight", new_weight)
         if m.bias is not None:
             folded_bias = m.bias_tensor.detach() * scale.to(m.bias_tensor.dtype)
             new_bias = create_constant(
                 graph_module, program, like=m.bias, name=fresh(m.bias), data=folded_bias
             )
-            _with_arg(m.conv, BIAS_INDEX, "bias", new_bias)
+            set_conv_argument(m.conv, "bias", new_bias)
 
         m.mul.replace_all_uses_with(m.chain[-1] if m.chain else m.conv)
         graph_module.graph.erase_node(m.mul)
@@ -572,7 +491,7 @@ class FoldScalarMulIntoConvPass(ArmPass):
     def call(self, graph_module: GraphModule) -> PassResult:
         program = self._program_for(graph_module)
         graph = graph_module.graph
-        muls = [n for n in graph.nodes if n.op == "call_function" and n.target in _MULS]
+        muls = [n for n in graph.nodes if _is_mul(n)]
         if not muls:
             return PassResult(graph_module, False)
         region = carried_region(graph_module, program)

@@ -16,34 +16,24 @@ and never write into an existing tensor.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
-from executorch.exir.dialects._ops import ops as exir_ops
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
+from etfold.backends.arm._passes.conv_arguments import ConvArguments, conv_arguments
+from etfold.backends.arm._passes.layout_axes import is_layout
 from etfold.decisions import Declined
-from etfold.exir.passes.graph_walk import ConstantSource, known_placeholder, state_writes
+from etfold.exir.passes.graph_walk import (
+    ConstantSource,
+    known_placeholder,
+    state_writes,
+    underlying_op,
+)
 
 _aten = torch.ops.aten
-# ops that move or pass values without computing: their output is their input's
-# values, so it is quantized (and rounded) exactly as their input is
-LAYOUT_OPS = frozenset(
-    {
-        _aten.permute.default,
-        _aten.permute_copy.default,
-        _aten.transpose.int,
-        _aten.transpose_copy.int,
-        _aten.t.default,
-        _aten.view.default,
-        _aten.reshape.default,
-        _aten._unsafe_view.default,
-        _aten.view_copy.default,
-        _aten.flatten.using_ints,
-        _aten.unflatten.int,
-    }
-)
 IDENTITY_OPS = frozenset(
     {_aten.clone.default, _aten.alias.default, _aten.detach.default, _aten.alias_copy.default}
 )
@@ -57,50 +47,40 @@ CLAMP_OPS = frozenset(
         _aten.relu6.default,
         _aten.hardtanh.default,
         _aten.clamp.default,
+        _aten.clamp.Tensor,
     }
 )
 
 
-def _target_name(node: Node) -> str:
-    return str(getattr(node.target, "_name", node.target)).replace("::", ".")
-
-
-def _same_op(node: Node, ops: frozenset) -> bool:
-    """`node` calls one of `ops`, as an ATen or an Edge dialect operator."""
-    if node.target in ops:
-        return True
-    name = _target_name(node)
-    return any(name == str(op._name).replace("::", ".") for op in ops)
+def _calls(node: Node, ops: frozenset) -> bool:
+    """`node` calls one of `ops` (ATen overloads), as an ATen or an Edge dialect operator."""
+    return node.op == "call_function" and underlying_op(node.target) in ops
 
 
 def is_inference_noop(node: Node) -> bool:
     """Identity at inference: clone/alias/detach, and dropout in eval or with p = 0."""
     if node.op != "call_function":
         return False
-    if _same_op(node, IDENTITY_OPS):
+    if _calls(node, IDENTITY_OPS):
         return True
-    if _same_op(node, DROPOUT_OPS):
+    if _calls(node, DROPOUT_OPS):
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
         return train is False or p == 0
     return False
 
 
-def is_layout(node: Node) -> bool:
-    return node.op == "call_function" and _same_op(node, LAYOUT_OPS)
-
-
 def keeps_input_quantization(node: Node) -> bool:
     """Layout ops, inference no-ops and relu-like clamps: the output is rounded as the input is."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
         return False
-    return is_layout(node) or is_inference_noop(node) or _same_op(node, CLAMP_OPS)
+    return is_layout(node) or is_inference_noop(node) or _calls(node, CLAMP_OPS)
 
 
 def quantization_source(node: Node) -> Node | None:
     """The node whose values (and rounding) `node` passes on unchanged, if any:
     the input of a layout op, no-op or clamp; the source of a functional `copy`."""
-    if node.op == "call_function" and _same_op(node, COPY_OPS) and len(node.args) > 1:
+    if node.op == "call_function" and _calls(node, COPY_OPS) and len(node.args) > 1:
         source = node.args[1]
         return source if isinstance(source, Node) else None
     return node.args[0] if keeps_input_quantization(node) else None
@@ -140,22 +120,23 @@ def _same_tensor(a, b) -> bool:
     return both_attrs and a.target == b.target
 
 
+def _without_operands(arguments: ConvArguments) -> ConvArguments:
+    return replace(arguments, node=None, weight=None, bias=None)
+
+
 def twin_layers(layer: Node) -> list[Node]:
     """Other calls of `layer`'s op on the same input and the same weight, with the same
     stride, padding and groups (the bias may differ): the same product computed again."""
-    if len(layer.args) < 2 or not isinstance(layer.args[0], Node):
+    mine = conv_arguments(layer)
+    if isinstance(mine, Declined) or not isinstance(mine.input, Node):
         return []
     twins = []
-    for other in layer.args[0].users:
-        if other is layer or other.target != layer.target or len(other.args) < 2:
+    for other in mine.input.users:
+        theirs = conv_arguments(other) if other is not layer else None
+        if not isinstance(theirs, ConvArguments) or other.target != layer.target:
             continue
-        same_layout = (
-            tuple(other.args[3:]) == tuple(layer.args[3:]) and other.kwargs == layer.kwargs
-        )
-        same_operands = other.args[0] is layer.args[0] and _same_tensor(
-            other.args[1], layer.args[1]
-        )
-        if same_layout and same_operands:
+        same_operands = theirs.input is mine.input and _same_tensor(theirs.weight, mine.weight)
+        if same_operands and _without_operands(theirs) == _without_operands(mine):
             twins.append(other)
     return twins
 
@@ -341,28 +322,6 @@ def _owned_by_graph_module(owner: torch.nn.Module, graph_module: GraphModule) ->
     return owner is graph_module or type(owner) is torch.nn.Module
 
 
-def axis_through_view(source: tuple[int, ...], result: tuple[int, ...], axis: int) -> int | None:
-    """Where `axis` of `source` lands when a view reshapes `source` to `result`, if it
-    stays whole: the same number of elements before it, and its own size, in both."""
-    before = 1
-    for size in source[:axis]:
-        before *= size
-    seen = 1
-    for index, size in enumerate(result):
-        if seen == before and size == source[axis]:
-            return index
-        seen *= size
-    return None
-
-
-def axis_before_view(source: tuple[int, ...], result: tuple[int, ...], axis: int) -> int | None:
-    """The axis of `source` that a view to `result` turns into `axis` whole, if any."""
-    for candidate in range(len(source)):
-        if axis_through_view(source, result, candidate) == axis:
-            return candidate
-    return None
-
-
 def ensure_fake_values(graph_module: GraphModule) -> Declined | None:
     """Give every node a fake value (meta["val"]) if any lacks one; Declined if impossible.
 
@@ -415,37 +374,3 @@ def conv_input_channels(out_channels: int, per_group: int, groups: int) -> torch
     (not transposed) reads."""
     group_of_output = torch.arange(out_channels) // (out_channels // groups)
     return group_of_output[:, None] * per_group + torch.arange(per_group)[None, :]
-
-
-_PERMUTE_TARGETS = frozenset(
-    {
-        _aten.permute.default,
-        _aten.permute_copy.default,
-        exir_ops.edge.aten.permute_copy.default,
-    }
-)
-_VIEW_TARGETS = frozenset(
-    {
-        _aten.view.default,
-        _aten.reshape.default,
-        _aten.view_copy.default,
-        exir_ops.edge.aten.view_copy.default,
-    }
-)
-
-
-def axis_before_layout_op(node: Node, axis: int | None) -> int | None:
-    """The axis of a permute's or view's input that becomes `axis` of its output
-    whole; None when unknown (no metadata, a view that splits or merges it, any
-    other op)."""
-    if axis is None:
-        return None
-    if node.target in _PERMUTE_TARGETS:
-        order = list(node.args[1])
-        return order[axis] % len(order)
-    if node.target not in _VIEW_TARGETS or not isinstance(node.args[0], Node):
-        return None
-    source, result = node.args[0].meta.get("val"), node.meta.get("val")
-    if not isinstance(source, torch.Tensor) or not isinstance(result, torch.Tensor):
-        return None
-    return axis_before_view(tuple(source.shape), tuple(result.shape), axis)

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from executorch.backends.arm._passes.arm_pass import ArmPass
 from executorch.exir.dialects._ops import ops as exir_ops
 from executorch.exir.pass_base import ExportPass, PassResult
 from torch.fx import GraphModule, Node
 
+from etfold.backends.arm._passes.node_shapes import rank_of
 from etfold.decisions import Declined
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
 
@@ -39,18 +39,13 @@ class LowerRankFirst:
     node: Node
 
 
-def _rank(value: object) -> int | None:
-    tensor = value.meta.get("val") if isinstance(value, Node) else None
-    return tensor.dim() if isinstance(tensor, torch.Tensor) else None
-
-
 def match_lower_rank_first(node: Node) -> LowerRankFirst | Declined | None:
     if node.op != "call_function" or node.target not in COMMUTATIVE or len(node.args) != 2:
         return None
     if node.kwargs.get("alpha", 1) != 1:
         return None
     first, second = node.args
-    ranks = _rank(first), _rank(second)
+    ranks = rank_of(first), rank_of(second)
     if None in ranks or ranks[0] >= ranks[1]:
         return None
     values = [a.meta["val"] for a in (first, second)]
@@ -64,7 +59,7 @@ def match_lower_rank_first(node: Node) -> LowerRankFirst | Declined | None:
 def put_higher_rank_first(match: LowerRankFirst) -> str:
     first, second = match.node.args
     match.node.args = (second, first)
-    return f"operands swapped: rank {_rank(second)} first, rank {_rank(first)} second"
+    return f"operands swapped: rank {rank_of(second)} first, rank {rank_of(first)} second"
 
 
 class HigherRankOperandFirstPass(ArmPass):

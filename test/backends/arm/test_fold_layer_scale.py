@@ -301,3 +301,22 @@ def test_dyt_alpha_after_a_conv_folds_into_the_conv_leaving_the_tanh_table(alpha
     for _ in range(3):
         x = torch.randn(1, 3, 6, 6, generator=generator)
         assert max_code_difference(folded.run(x), unfolded.run(x)) <= 1
+
+
+def test_a_bitcast_view_is_no_layout_op_and_the_scale_stays():
+    """`view(dtype)` shares `view`'s name but reinterprets bits: a scale after it is not a
+    scale of the conv's output, so there is no site (the graph and its values unchanged)."""
+
+    class Bitcast(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 1)
+
+        def forward(self, x):
+            return self.conv(x).view(torch.int32) * 2
+
+    torch.manual_seed(0)
+    module, x = Bitcast().eval(), torch.randn(1, 3, 4, 4)
+    graph_module, before, result, decisions = _fold(module, x)
+    assert not result.modified and decisions == [] and str(graph_module.graph) == before
+    assert torch.equal(graph_module(x), module(x))

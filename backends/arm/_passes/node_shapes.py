@@ -1,0 +1,36 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""The shape and rank of a node's value, read from its fake value (meta["val"]).
+
+A matcher that needs sizes asks `static_shape`, which answers only when every
+size is a plain int: a symbolic size is a dynamic shape, and the folds decline
+those rather than guess. `rank_of` needs no sizes, only the tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+
+def _fake_tensor(node: object) -> torch.Tensor | None:
+    value = node.meta.get("val") if isinstance(node, Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def static_shape(node: object) -> tuple[int, ...] | None:
+    """The node's shape when its value is a tensor of plain-int sizes; else None."""
+    value = _fake_tensor(node)
+    if value is None or not all(type(size) is int for size in value.shape):
+        return None
+    return tuple(value.shape)
+
+
+def rank_of(node: object) -> int | None:
+    """The number of dimensions of the node's tensor value; None when it has none."""
+    value = _fake_tensor(node)
+    return None if value is None else value.dim()
