@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch.export import ExportedProgram
 
+from etfold.backends.xnnpack._passes.last_axis_normalizations import (
+    normalizes_along_memory_axis,
+)
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import convert_every_use, insert_to_copy, is_channels_last
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
@@ -31,15 +34,6 @@ from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 FOLD = "xnnpack.contiguous_last_axis_input"
 
 aten = torch.ops.aten
-LAST_AXIS_NORMALIZATIONS = frozenset(
-    {
-        aten.softmax.int,
-        aten._softmax.default,
-        aten.log_softmax.int,
-        aten._log_softmax.default,
-        aten.layer_norm.default,
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -52,7 +46,7 @@ class ChannelsLastNormalization:
 def match_channels_last_normalization(
     node: torch.fx.Node,
 ) -> ChannelsLastNormalization | Declined | None:
-    if node.op != "call_function" or node.target not in LAST_AXIS_NORMALIZATIONS:
+    if not normalizes_along_memory_axis(node):
         return None
     source = node.args[0]
     if not isinstance(source, torch.fx.Node) or "val" not in source.meta:

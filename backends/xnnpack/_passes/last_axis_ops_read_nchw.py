@@ -35,18 +35,16 @@ from executorch.backends.xnnpack._passes.channels_last_tagged_reshape_pass impor
     ChannelsLastTaggedReshapePass,
 )
 from executorch.exir.backend.compile_spec_schema import CompileSpec
-from executorch.exir.dialects._ops import ops as exir_ops
 
+from etfold.backends.xnnpack._passes.last_axis_normalizations import (
+    edge_forms,
+    normalizes_along_memory_axis,
+)
 from etfold.exir.passes.graph_walk import is_channels_last
 
 LAYOUT_GUARD_SPEC = CompileSpec("etfold.layout_guard", b"1")
 
-LAST_AXIS_OPS = frozenset(
-    {
-        exir_ops.edge.aten._softmax.default,
-        exir_ops.edge.aten._log_softmax.default,
-    }
-)
+LAST_AXIS_OPS = edge_forms()
 
 _guard_lock = threading.Lock()
 _guard_users = 0  # open guards in any thread
@@ -85,7 +83,7 @@ def needs_layout_guard(nodes: Iterable[torch.fx.Node]) -> bool:
     """A partition holds a last-axis op over a 4-D tensor and something that may be NHWC."""
     members = set(nodes)
     reads_4d = any(
-        n.target in LAST_AXIS_OPS and _may_be_4d(n.args[0])
+        normalizes_along_memory_axis(n) and _may_be_4d(n.args[0])
         for n in members
         if n.op == "call_function"
     )
