@@ -317,3 +317,26 @@ def test_declines_when_no_fake_values_can_be_made():
     assert graph_module.code == before
     assert [(d.applied, d.fold) for d in decisions] == [(False, FOLD)]
     assert "carry no static meta['val']" in decisions[0].detail
+
+
+def test_flatten_that_keeps_the_channel_axis_folds_exactly():
+    """A flatten is a view (layout_axes): with the channel axis whole through it, the
+    affine folds into the linear as through a reshape."""
+
+    class FlattenThenLinear(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dyt = DyT(4, nhwc=True)
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(self.dyt(x).flatten(0, 1))
+
+    torch.manual_seed(0)
+    module = FlattenThenLinear().eval()
+    randomize_affine(module.dyt, torch.Generator().manual_seed(4))
+    x = torch.randn(2, 5, 4)
+    graph_module, _, decisions = _fold_graph(module, x)
+    assert [d.applied for d in decisions] == [True]
+    assert _count(graph_module, "aten.add") == 0 and _count(graph_module, "aten.mul") == 1
+    torch.testing.assert_close(graph_module(x), module(x), atol=1e-5, rtol=1e-5)
