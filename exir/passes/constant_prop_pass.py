@@ -45,15 +45,13 @@ from etfold.exir.passes.constant_prop.name import (
 from etfold.exir.passes.constant_prop.rewrite import rewrite_constant_folds
 from etfold.exir.passes.constant_prop.select import (
     CONTROL_FLOW_WARNING,
+    has_control_flow,
+    select_folds,
+)
+from etfold.exir.passes.constant_prop.verdicts import (
     FILLS_AND_QUANT_OPS,
     SkipFamilies,
     SkipTargets,
-    allocates_memory,
-    has_control_flow,
-    is_impure,
-    is_nondeterministic,
-    is_quant_primitive,
-    select_folds,
 )
 
 __all__ = [
@@ -62,12 +60,8 @@ __all__ = [
     "ConstantFolds",
     "Materialization",
     "SkipFamilies",
-    "allocates_memory",
     "constant_prop_pass",
     "fold_expression",
-    "is_impure",
-    "is_nondeterministic",
-    "is_quant_primitive",
     "match_constant_folds",
     "rewrite_constant_folds",
 ]

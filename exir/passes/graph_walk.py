@@ -70,11 +70,29 @@ def placeholders(ep: ExportedProgram) -> list[torch.fx.Node]:
     return list(ep.graph.find_nodes(op="placeholder"))
 
 
+# the placeholder kinds whose value the program holds (a state placeholder); the rest are
+# user inputs, tokens and script objects
+STATE_KINDS = frozenset({InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR})
+
+
 def input_kinds(ep: ExportedProgram) -> dict[str, InputKind]:
+    """Placeholder name -> what kind of input it is: the one answer every etfold walk asks."""
     return {
         spec.arg.name: spec.kind
         for spec in ep.graph_signature.input_specs
         if hasattr(spec.arg, "name")
+    }
+
+
+def state_placeholders(
+    ep: ExportedProgram, kinds: frozenset[InputKind] = STATE_KINDS
+) -> dict[str, torch.fx.Node]:
+    """FQN -> placeholder, for the inputs of `kinds` (default: parameters, buffers, constants)."""
+    by_name = {n.name: n for n in ep.graph.find_nodes(op="placeholder")}
+    return {
+        spec.target: by_name[spec.arg.name]
+        for spec in ep.graph_signature.input_specs
+        if spec.kind in kinds and spec.target is not None and spec.arg.name in by_name
     }
 
 
@@ -244,61 +262,31 @@ def state_writes(
     return writes
 
 
-def placeholders_written_in_place(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """Placeholders that some op may write, directly or through a chain of views."""
-    return {p for p in graph.find_nodes(op="placeholder") if in_place_writers(p)}
-
-
-def constant_sources(
-    ep: ExportedProgram, *, fold_buffers: bool
-) -> tuple[dict[torch.fx.Node, ConstantSource], dict[torch.fx.Node, str]]:
-    """Placeholders whose values are known, and the reason each other constant is not."""
-    facts = state_facts(ep)
-    known: dict[torch.fx.Node, ConstantSource] = {}
-    excluded: dict[torch.fx.Node, str] = {}
-    for node in placeholders(ep):
-        found = known_placeholder(ep, node, fold_buffers=fold_buffers, facts=facts)
-        if isinstance(found, ConstantSource):
-            known[node] = found
-        elif found is not None:
-            excluded[node] = found.reason
-    return known, excluded
-
-
 def known_placeholder(
-    ep: ExportedProgram,
-    node: torch.fx.Node,
-    *,
-    fold_buffers: bool = True,
-    facts: StateFacts | None = None,
+    ep: ExportedProgram, node: torch.fx.Node, *, facts: StateFacts | None = None
 ) -> ConstantSource | Declined | None:
     """Whether a placeholder's value is known before the program runs: the one answer.
 
-    Known: parameters and lifted tensor constants, plus buffers when `fold_buffers`.
-    Never known (Declined, with why): anything the program writes (mutation outputs,
-    in-place ops on it or a view of it), a parameter that receives a gradient, a
-    non-plain tensor. None: not a parameter, buffer or constant (a user input).
+    Known: parameters, buffers and lifted tensor constants the program never writes.
+    Not known (Declined, with why): anything written in place or through a write-back
+    output (`state_writes`), a parameter that receives a gradient, a non-plain tensor.
+    None: not a parameter, buffer or constant (a user input). Whether a fold may read a
+    known value is policy (buffers, other methods): `constant_prop.verdicts`.
     `facts` is `state_facts(ep)`, when the caller asks about many placeholders.
     """
     facts = facts or state_facts(ep)
     spec = facts.specs.get(node.name)
-    if spec is None or spec.kind not in _STATE_KINDS:
+    if spec is None or spec.kind not in STATE_KINDS:
         return None
-    if spec.kind == InputKind.BUFFER and not fold_buffers:
-        return Declined(f"buffer {spec.target} (fold_buffers=False)")
-    if spec.target in facts.mutated_targets:
-        return Declined(f"{spec.target} is mutated or trained by the program")
-    if node in facts.written:
-        return Declined(f"{spec.target} is written in place")
+    if node in facts.writes:
+        ops = ", ".join(sorted(set(facts.writes[node])))
+        return Declined(f"`{spec.target}` is written in this method ({ops})")
+    if spec.target in facts.trained:
+        return Declined(f"`{spec.target}` receives a gradient (trained by the program)")
     value = stored_value(ep, spec.kind, spec.target, spec.persistent)
     if not is_plain_tensor(value):
-        return Declined(f"{spec.target} is not a plain tensor ({type(value).__name__})")
+        return Declined(f"`{spec.target}` is not a plain tensor ({type(value).__name__})")
     return ConstantSource(node, spec.kind, spec.target, spec.persistent, value)
-
-
-_STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
-# a parameter that receives a gradient is trained: its value is not known either
-_TRAINED_OUTPUT_KINDS = frozenset({OutputKind.GRADIENT_TO_PARAMETER})
 
 
 @dataclass(frozen=True)
@@ -306,20 +294,22 @@ class StateFacts:
     """What `known_placeholder` reads from the whole program, gathered once."""
 
     specs: dict  # placeholder name -> its InputSpec
-    mutated_targets: frozenset[str]
-    written: frozenset[torch.fx.Node]
+    writes: dict[torch.fx.Node, list[str]]  # placeholder -> how the program writes it
+    trained: frozenset[str]  # parameters that receive a gradient
 
 
 def state_facts(ep: ExportedProgram) -> StateFacts:
+    writes: dict[torch.fx.Node, list[str]] = {}
+    for write in state_writes(ep.graph_module, ep):
+        if write.destination.op == "placeholder":
+            writes.setdefault(write.destination, []).append(write.how)
     signature = ep.graph_signature
     return StateFacts(
         specs={s.arg.name: s for s in signature.input_specs if hasattr(s.arg, "name")},
-        mutated_targets=frozenset(
-            s.target
-            for s in signature.output_specs
-            if s.kind in WRITE_BACK_OUTPUT_KINDS | _TRAINED_OUTPUT_KINDS
+        writes=writes,
+        trained=frozenset(
+            s.target for s in signature.output_specs if s.kind == OutputKind.GRADIENT_TO_PARAMETER
         ),
-        written=frozenset(placeholders_written_in_place(ep.graph)),
     )
 
 

@@ -32,41 +32,24 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from etfold.exir.passes.graph_walk import in_place_writers, op_qualified_name
+from etfold.exir.passes.graph_walk import state_placeholders
 from etfold.exir.passes.graph_walk import state_writes as graph_state_writes
 
 BUFFER_FOLD_BLOCKERS = "etfold_buffer_fold_blockers"
 
 
-def in_place_writes(start: torch.fx.Node) -> list[str]:
-    """Ops that may write `start` or a view of it, as `aten.copy_.default` names."""
-    return [op_qualified_name(writer.target) for writer in in_place_writers(start)]
-
-
 def buffer_placeholders(program: ExportedProgram) -> dict[str, torch.fx.Node]:
     """Buffer FQN -> its placeholder."""
-    by_name = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-    return {
-        spec.target: by_name[spec.arg.name]
-        for spec in program.graph_signature.input_specs
-        if spec.kind == InputKind.BUFFER and spec.arg.name in by_name
-    }
-
-
-_STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+    return state_placeholders(program, frozenset({InputKind.BUFFER}))
 
 
 def state_writes(program: ExportedProgram) -> dict[str, list[str]]:
     """Parameter/buffer/constant FQN -> what in this program may write it (empty lists omitted)."""
-    fqn_of = {
-        spec.arg.name: spec.target
-        for spec in program.graph_signature.input_specs
-        if spec.kind in _STATE_KINDS and spec.target is not None
-    }
+    fqn_of = {node: fqn for fqn, node in state_placeholders(program).items()}
     writes: dict[str, list[str]] = defaultdict(list)
     for write in graph_state_writes(program.graph_module, program):
-        fqn = fqn_of.get(write.destination.name)
-        if fqn is not None and write.destination.op == "placeholder":
+        fqn = fqn_of.get(write.destination)
+        if fqn is not None:
             writes[fqn].append(write.how)
     return dict(writes)
 

@@ -12,18 +12,14 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping
 
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
+
+from etfold.exir.passes.graph_walk import state_placeholders
 
 SHARED_ACROSS_METHODS = "shared_across_methods"
 
 
 def _constant_placeholders(program: ExportedProgram):
-    kinds = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
-    specs = {s.arg.name: s for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
-    for node in program.graph.find_nodes(op="placeholder"):
-        spec = specs.get(node.name)
-        if spec is not None and spec.kind in kinds and spec.target is not None:
-            yield node, spec.target
+    return ((node, fqn) for fqn, node in state_placeholders(program).items())
 
 
 def mark_constants_shared_across_methods(programs: Mapping[str, ExportedProgram]) -> None:

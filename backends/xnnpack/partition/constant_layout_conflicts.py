@@ -29,11 +29,9 @@ from dataclasses import dataclass
 import torch
 from executorch.exir.dialects._ops import ops as exir_ops
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
 
-from etfold.exir.passes.graph_walk import input_kinds
+from etfold.exir.passes.graph_walk import state_placeholders
 
-_CONSTANT_KINDS = {InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR}
 _CONVOLUTION = exir_ops.edge.aten.convolution.default
 _LINEAR = exir_ops.edge.aten.linear.default
 _DEQUANTIZE_TARGETS = {
@@ -120,12 +118,8 @@ def find_layout_conflicts(
     program: ExportedProgram, partitions: Iterable[Iterable[torch.fx.Node]]
 ) -> list[LayoutConflict]:
     """Constants whose readers in one partition need different serialized forms."""
-    kinds = input_kinds(program)
-    constants = [
-        n
-        for n in program.graph.nodes
-        if n.op == "placeholder" and kinds.get(n.name) in _CONSTANT_KINDS
-    ]
+    state = set(state_placeholders(program).values())
+    constants = [n for n in program.graph.find_nodes(op="placeholder") if n in state]
     conflicts = []
     for partition in partitions:
         members = set(partition)

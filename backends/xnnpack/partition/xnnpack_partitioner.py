@@ -50,7 +50,8 @@ from etfold.backends.xnnpack.partition.bf16_delegation import (
 from etfold.backends.xnnpack.partition.config.convert_config import with_dtype_convert_configs
 from etfold.backends.xnnpack.partition.constant_layout_conflicts import find_layout_conflicts
 from etfold.backends.xnnpack.partition.shape_op_partitions import settle_shape_op_views
-from etfold.backends.xnnpack.partition.weight_fold import fold_gemm_weights, seed_slots
+from etfold.backends.xnnpack.partition.weight_fold import fold_gemm_weights
+from etfold.backends.xnnpack.partition.weight_fold_seeds import seed_slots
 from etfold.decisions import record_declined
 from etfold.exir.passes.inline_autocast_regions_pass import inline_autocast_regions
 from etfold.exir.program.lower import mark_for_lowering

@@ -6,6 +6,7 @@
 
 """The phases of `etfold.exir.passes.constant_prop_pass`, one module each.
 
+    verdicts  may a placeholder be read, an op run at export time, inputs' tags agree
     select    which call_function nodes may fold (constant inputs, allowed targets)
     evaluate  each selected node's value, computed once in graph order
     name      what each folded result becomes: a constant placeholder (kind, name,

@@ -31,7 +31,8 @@ from torch.export.graph_signature import InputKind
 from etfold.decisions import Declined, record_declined
 from etfold.exir.passes.constant_prop import FOLD
 from etfold.exir.passes.constant_prop.evaluate import Evaluation, fresh_constant, storage_key
-from etfold.exir.passes.constant_prop.select import UNSET, Selection
+from etfold.exir.passes.constant_prop.select import Selection
+from etfold.exir.passes.constant_prop.verdicts import UNSET
 from etfold.exir.passes.graph_walk import ConstantSource, is_plain_tensor, op_qualified_name
 
 
@@ -182,7 +183,7 @@ def name_fold(
         kind=kind,
         target=target,
         persistent=persistent,
-        custom=None if agreed is UNSET else agreed,
+        custom=None if agreed is UNSET or not agreed else agreed,
         tensor=tensor,
         ops_folded=expression.count("\n") - len(leaves),
     )

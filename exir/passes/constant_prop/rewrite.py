@@ -30,7 +30,8 @@ from torch.export.graph_signature import InputKind, InputSpec, OutputKind, Tenso
 from etfold.decisions import record_applied
 from etfold.exir.passes.constant_prop import FOLD
 from etfold.exir.passes.constant_prop.name import ConstantFolds, Materialization
-from etfold.exir.passes.graph_walk import PLACEHOLDER_RANK, constant_sources, input_kinds
+from etfold.exir.passes.constant_prop.verdicts import SourcePolicy, constant_sources
+from etfold.exir.passes.graph_walk import PLACEHOLDER_RANK, input_kinds
 
 UPSTREAM_PREFIX = "_prop_tensor_constant"
 _PLACEHOLDER_PREFIX = {InputKind.PARAMETER: "p_", InputKind.BUFFER: "b_"}
@@ -148,7 +149,7 @@ def _clone_target(ep: ExportedProgram, skip_dim_order: bool):
 
 def _clone_constant_outputs(ep: ExportedProgram, fold_buffers: bool, skip_dim_order: bool):
     """Outputs are rebound to surviving nodes; a constant returned as an output goes through a clone."""
-    constants, _ = constant_sources(ep, fold_buffers=fold_buffers)
+    constants, _ = constant_sources(ep, SourcePolicy(fold_buffers=fold_buffers))
     output = ep.graph.output_node()
     returned = list(output.args[0])
     specs = ep.graph_signature.output_specs

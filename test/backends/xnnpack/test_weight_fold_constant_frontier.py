@@ -17,7 +17,8 @@ import torch
 from torch.nn.utils import parametrize
 
 from etfold.backends.xnnpack import XnnpackPartitioner
-from etfold.backends.xnnpack.partition.weight_fold import FOLD, promote_constant_operands
+from etfold.backends.xnnpack.partition.weight_fold import FOLD
+from etfold.backends.xnnpack.partition.weight_fold_promotion import promote_constant_operands
 from etfold.decisions import collect_decisions
 from etfold.exir import to_edge_transform_and_lower as etfold_lower
 from etfold.exir.program.lower import MARKING_STEPS

@@ -128,7 +128,7 @@ def test_qdq_node_set_is_identical_while_a_float_weight_folds(build):
     with collect_decisions() as decisions:
         folded = _hook(program)
     assert _applied(decisions) == ["conv1d.weight"]
-    assert any("quantization op" in r for r in _declined(decisions))
+    assert any("quantization primitive" in r for r in _declined(decisions))
     assert _quant_nodes(folded) == expected
 
     lowered = lower_xnnpack(

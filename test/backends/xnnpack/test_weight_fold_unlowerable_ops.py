@@ -13,12 +13,9 @@ import torch
 from torch.nn.utils.parametrizations import orthogonal
 
 from etfold.backends.xnnpack import XnnpackPartitioner
-from etfold.backends.xnnpack.partition.weight_fold import (
-    FOLD,
-    lowers_nowhere,
-    plan_weight_folds,
-    seed_slots,
-)
+from etfold.backends.xnnpack.partition.weight_fold import FOLD
+from etfold.backends.xnnpack.partition.weight_fold_plan import lowers_nowhere, plan_weight_folds
+from etfold.backends.xnnpack.partition.weight_fold_seeds import seed_slots
 from etfold.decisions import collect_decisions
 from etfold.exir import to_edge_transform_and_lower as etfold_lower
 from etfold.harness.xnnpack_runner import assert_close, lower_module_xnnpack

@@ -33,8 +33,10 @@ from torch.export.graph_signature import InputKind
 
 from etfold.decisions import collect_decisions
 from etfold.exir import constant_prop_pass, to_edge_transform_and_lower
+from etfold.exir.passes.constant_prop.evaluate import evaluate
+from etfold.exir.passes.constant_prop.verdicts import SourcePolicy, constant_sources
 from etfold.exir.passes.constant_prop_pass import FILLS_AND_QUANT_OPS, FOLD, fold_expression
-from etfold.exir.passes.graph_walk import constant_sources, op_qualified_name
+from etfold.exir.passes.graph_walk import op_qualified_name
 from etfold.harness.external_data import data_files, data_keys, load_with_data
 from etfold.harness.xnnpack_runner import assert_close, export_method, load_program, lower_xnnpack
 
@@ -77,7 +79,7 @@ def applied(decisions) -> list[str]:
 
 
 def constant_only_nodes(ep, fold_buffers=True) -> list[str]:
-    known, _ = constant_sources(ep, fold_buffers=fold_buffers)
+    known, _ = constant_sources(ep, SourcePolicy(fold_buffers=fold_buffers))
     values = set(known)
     left = []
     for node in ep.graph.nodes:
@@ -297,9 +299,13 @@ def test_declines_when_result_cannot_be_a_constant():
     ep = export(model, x)
     [w] = [n for n in ep.graph.find_nodes(op="placeholder") if n.name == "p_w"]
     with ep.graph.inserting_after(w):
-        ep.graph.call_function(repr, (w,))
+        text = ep.graph.call_function(repr, (w,))
     ep.graph_module.recompile()
-    assert_declines(ep, (x,), "result of type str cannot be held as a constant", eager(model, x))
+    # the pass never runs a callable that is not an op (the weight fold's rule, now shared) ...
+    assert_declines(ep, (x,), "<built-in function repr> is not an ATen op", eager(model, x))
+    # ... and its evaluation phase keeps what a program cannot hold from becoming a constant
+    found = evaluate(text, {w: ep.state_dict["w"]})
+    assert found.reason == "result of type str cannot be held as a constant"
 
 
 class Stateful(torch.nn.Module):
@@ -317,7 +323,12 @@ def test_declines_when_buffer_written_in_place():
     model, x = Stateful(), torch.randn(4)
     ep = export(model, x)  # training IR keeps the in-place add_
     assert "aten.add_.Tensor" in ops(ep)
-    assert_declines(ep, (x,), "state is written in place", eager(copy.deepcopy(model), x))
+    assert_declines(
+        ep,
+        (x,),
+        "`state` is written in this method (aten.add_.Tensor)",
+        eager(copy.deepcopy(model), x),
+    )
 
 
 def test_declines_when_buffer_mutated():
@@ -325,7 +336,10 @@ def test_declines_when_buffer_mutated():
     ep = export(model, x).run_decompositions({})  # functional: a BUFFER_MUTATION output
     assert ep.graph_signature.buffers_to_mutate
     assert_declines(
-        ep, (x,), "state is mutated or trained by the program", eager(copy.deepcopy(model), x)
+        ep,
+        (x,),
+        "`state` is written in this method (a functionalized mutation)",
+        eager(copy.deepcopy(model), x),
     )
 
 
@@ -355,7 +369,7 @@ def test_declines_when_sources_disagree_on_custom():
     ep = tag(export(model, x), {"base": "foundation", "lora_a": "lora", "lora_b": "lora"})
     with collect_decisions() as decisions:
         constant_prop_pass(ep, register_like_source=True)
-    assert any("sources disagree on custom meta" in r for r in declined(decisions))
+    assert any("disagree on their `custom` meta" in r for r in declined(decisions))
     # the sum stays an op; the adapter product folds, tagged like its sources
     assert ops(ep) == ["aten.add.Tensor", "aten.linear.default"]
     [product] = [n for n in ep.graph.find_nodes(op="placeholder") if "_prop_" in n.name]
@@ -699,7 +713,7 @@ def test_default_mode_matches_upstream_names_kinds_and_order(case):
 def test_register_like_source_name_is_source_then_expression_digest():
     model, x = WeightExpr(), torch.randn(3, 8)
     ep = export(model, x)
-    sources, _ = constant_sources(ep, fold_buffers=True)
+    sources, _ = constant_sources(ep)
     transpose = next(n for n in ep.graph.nodes if str(n.target) == "aten.t.default")
     expression, leaves = fold_expression(transpose, sources)
     assert [leaf.fqn for leaf in leaves] == ["w"]
@@ -770,13 +784,38 @@ def test_expression_is_linear_in_nested_squarings():
 
     model, x = Squarings(), torch.randn(4)
     ep = export(model, x)
-    sources, _ = constant_sources(ep, fold_buffers=True)
+    sources, _ = constant_sources(ep)
     last = [n for n in ep.graph.nodes if str(n.target) == "aten.mul.Tensor"][-1]
     expression, _ = fold_expression(last, sources)
     assert len(expression.splitlines()) == 1 + 16 + 1  # source, 16 producers, result
     assert len(expression) < 16 * 80
     constant_prop_pass(ep, register_like_source=True)
     assert_close(run_module(ep, x), eager(model, x), atol=1e-6)
+
+
+class ScaledBase(torch.nn.Module):
+    def __init__(self, n=16):
+        super().__init__()
+        self.base = torch.nn.Parameter(torch.randn(n, n))
+        self.scale = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.base * self.scale)
+
+
+def test_declines_when_a_tagged_source_meets_an_untagged_one():
+    """The untagged scale lives in the program, the base in a shared file: folding would put
+    program data into that file (the XNNPACK weight fold declines the same way)."""
+    model, x = ScaledBase(), torch.randn(2, 16)
+    ep = tag(export(model, x), {"base": "foundation"})
+    assert_declines(
+        ep,
+        (x,),
+        "`p_base` and `p_scale` disagree on their `custom` meta",
+        eager(model, x),
+        register_like_source=True,
+    )
+    assert ops(ep) == ["aten.mul.Tensor", "aten.linear.default"]
 
 
 # --- 7. external-file tags -------------------------------------------------------------------------
