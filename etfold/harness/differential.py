@@ -18,6 +18,7 @@
 - stock_wrong: the baseline's program is wrong and etfold's is right; delegate
   counts are not compared against a wrong program
 - mutation: etfold wrote into the user's module or ExportedProgram
+  (`etfold.harness.mutation_check`)
 - more_delegates: etfold's program has more delegates than the baseline's and no
   fewer ops outside them (XNNPACK; for TOSA, more delegates)
 
@@ -48,7 +49,12 @@ from torch.export import ExportedProgram
 
 from etfold.decisions import collect_decisions
 from etfold.harness import generated
-from etfold.harness.generated import Built, ConvertsCase, DyTCase, ScalarMulCase, WeightFoldCase
+from etfold.harness.generated_cases import DTYPES, Built
+from etfold.harness.generated_converts import ConvertsCase
+from etfold.harness.generated_dyt import DyTCase
+from etfold.harness.generated_scalar_mul import NON_FINITE_SCALES, ScalarMulCase
+from etfold.harness.generated_weight_fold import WeightFoldCase
+from etfold.harness.mutation_check import changes, snapshot
 from etfold.harness.xnnpack_runner import max_abs_error
 
 VERDICTS = (
@@ -222,52 +228,6 @@ def _scale(expected: list[list[torch.Tensor]]) -> float:
     return max([1.0, *peaks])
 
 
-# ---------------------------------------------------------------- the user's objects
-
-
-def _tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit (a NaN equals the same NaN)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(_bytes(a), _bytes(b))
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    tensors: dict[str, torch.Tensor]
-    code: str
-
-
-def snapshot(obj: torch.nn.Module | ExportedProgram) -> _Snapshot:
-    """Values of every state tensor and the code of the graph (module: its parameters)."""
-    if isinstance(obj, ExportedProgram):
-        tensors = {**obj.state_dict, **{f"constant:{k}": v for k, v in obj.constants.items()}}
-        code = obj.graph_module.code + str(obj.graph_signature)
-    else:
-        tensors = dict(obj.state_dict(keep_vars=True))
-        code = ""
-    return _Snapshot(
-        {k: v.detach().clone() for k, v in tensors.items() if isinstance(v, torch.Tensor)}, code
-    )
-
-
-def changes(before: _Snapshot, obj: torch.nn.Module | ExportedProgram) -> list[str]:
-    """What differs between `before` and `obj` now: the names of changed tensors, or 'graph'."""
-    after = snapshot(obj)
-    changed = [
-        name
-        for name in sorted(set(before.tensors) | set(after.tensors))
-        if name not in before.tensors
-        or name not in after.tensors
-        or not _tensors_equal(before.tensors[name], after.tensors[name])
-    ]
-    return changed + (["graph"] if before.code != after.code else [])
-
-
 # ---------------------------------------------------------------- XNNPACK
 
 
@@ -276,7 +236,7 @@ def _narrowest_dtype(case) -> torch.dtype:
         names = [case.dtype]
     else:
         names = [case.model_dtype, *(r.dtype for r in case.regions)]
-    dtypes = [generated.DTYPES[n] for n in names]
+    dtypes = [DTYPES[n] for n in names]
     return max(dtypes, key=lambda d: XNNPACK_TOLERANCE[d])
 
 
@@ -636,7 +596,7 @@ def _guard_violation(case, journal) -> str | None:
     """A scalar-mul fold of a scale that is not a finite constant along channels."""
     if not isinstance(case, ScalarMulCase):
         return None
-    must_decline = case.scale_values in generated.NON_FINITE_SCALES or case.scale_kind in (
+    must_decline = case.scale_values in NON_FINITE_SCALES or case.scale_kind in (
         "activation",
         "spatial",
     )

@@ -21,19 +21,15 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from etfold.demo_models.arm_dyt import DYT_CONV_KINDS
-from etfold.harness.generated import (
+from etfold.harness.generated_converts import REGION_OPS, ConvertRegion, ConvertsCase
+from etfold.harness.generated_dyt import DyTCase
+from etfold.harness.generated_scalar_mul import (
     CONV_KINDS,
     NON_FINITE_SCALES,
-    REGION_OPS,
     SCALE_VALUES,
-    WEIGHT_EXPRESSIONS,
-    ConvertRegion,
-    ConvertsCase,
-    DyTCase,
-    GemmLayer,
     ScalarMulCase,
-    WeightFoldCase,
 )
+from etfold.harness.generated_weight_fold import WEIGHT_EXPRESSIONS, GemmLayer, WeightFoldCase
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 

@@ -28,7 +28,9 @@ from etfold.harness.differential import (
     differential_arm,
     differential_xnnpack,
 )
-from etfold.harness.generated import Built, Call, ScalarMulCase, build
+from etfold.harness.generated import build
+from etfold.harness.generated_cases import Built, Call
+from etfold.harness.generated_scalar_mul import ScalarMulCase
 from etfold.harness.tosa_runner import FP, INT
 
 

@@ -16,7 +16,7 @@ from hypothesis import event, given, settings
 
 from etfold.harness import fuzz_strategies as strategies
 from etfold.harness.differential import failure_message, known_upstream, run_case
-from etfold.harness.generated import ConvertRegion, ConvertsCase
+from etfold.harness.generated_converts import ConvertRegion, ConvertsCase
 
 
 @settings(settings.get_profile("ci"))

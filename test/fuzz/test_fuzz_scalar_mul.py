@@ -15,7 +15,7 @@ from hypothesis import event, example, given, settings
 
 from etfold.harness import fuzz_strategies as strategies
 from etfold.harness.differential import failure_message, run_case
-from etfold.harness.generated import ScalarMulCase
+from etfold.harness.generated_scalar_mul import ScalarMulCase
 
 # Beside the generated cases, two that every run checks: a per-channel scale over
 # a wide range (the fold must apply, on the right axis) and a NaN scale (it must not).

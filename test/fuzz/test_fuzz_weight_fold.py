@@ -16,7 +16,7 @@ from hypothesis import event, given, settings
 
 from etfold.harness import fuzz_strategies as strategies
 from etfold.harness.differential import failure_message, run_case
-from etfold.harness.generated import GemmLayer, WeightFoldCase
+from etfold.harness.generated_weight_fold import GemmLayer, WeightFoldCase
 
 
 @settings(settings.get_profile("ci"))
@@ -33,7 +33,7 @@ def test_a_conv_transpose_weight_also_read_by_other_ops_stays_right_where_stock_
     other readers of the parameter see that layout. etfold keeps those readers out of the
     delegate (recorded), so it has more delegates; against a wrong program that is no
     fault of etfold's."""
-    from etfold.harness.generated import GemmLayer, WeightFoldCase
+    from etfold.harness.generated_weight_fold import GemmLayer, WeightFoldCase
 
     case = WeightFoldCase(
         seed=45075,
@@ -99,7 +99,7 @@ def test_a_conv1d_weight_two_conv1ds_read_serves_one_of_them_in_the_delegate(nam
 def test_a_buffer_updated_by_two_methods_is_judged_on_the_state_both_share():
     """forward and a second method both update one buffer; the oracle runs each call on
     the state the previous call left, whichever method made it, as eager does."""
-    from etfold.harness.generated import GemmLayer, WeightFoldCase
+    from etfold.harness.generated_weight_fold import GemmLayer, WeightFoldCase
 
     case = WeightFoldCase(
         seed=3820,

@@ -242,7 +242,7 @@ class SharedRunningGain(torch.nn.Module):
 def test_methods_see_the_mutable_buffer_another_method_wrote():
     """A method loaded lazily on its first call would re-initialize the shared buffer."""
     from etfold.harness.differential import _executorch_config
-    from etfold.harness.generated import Built
+    from etfold.harness.generated_cases import Built
 
     torch.manual_seed(4)
     module, x = SharedRunningGain().eval(), (torch.randn(1, 3, 4),)
