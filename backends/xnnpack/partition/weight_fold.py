@@ -40,8 +40,8 @@ from etfold.backends.xnnpack.partition.weight_fold_plan import (
 from etfold.backends.xnnpack.partition.weight_fold_promotion import promote_constant_operands
 from etfold.backends.xnnpack.partition.weight_fold_seeds import (
     WEIGHT_FOLD_OPS,
-    op_packet,
     is_export_check,
+    op_packet,
 )
 from etfold.decisions import record_applied, record_declined
 from etfold.exir.passes.constant_prop_pass import constant_prop_pass
