@@ -170,7 +170,8 @@ def _source_revision() -> str:
 
 
 def run_one(family: str, seed: int, index: int, timeout: int) -> dict:
-    from etfold.harness.differential import known_pending, known_upstream, run_case
+    from etfold.harness.differential import run_case
+    from etfold.harness.verdicts import known_pending, known_upstream
 
     case = draw_case(family, seed, index)
     started = time.monotonic()

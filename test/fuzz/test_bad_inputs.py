@@ -23,15 +23,13 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
 from etfold.backends.arm._passes import fold_scalar_mul_into_conv_pass as scalar_mul
-from etfold.harness.differential import (
-    FAILURES,
-    differential_arm,
-    differential_xnnpack,
-)
+from etfold.harness.differential_arm import differential_arm
+from etfold.harness.differential_xnnpack import differential_xnnpack
 from etfold.harness.generated import build
 from etfold.harness.generated_cases import Built, Call
 from etfold.harness.generated_scalar_mul import ScalarMulCase
 from etfold.harness.tosa_runner import FP, INT
+from etfold.harness.verdicts import FAILURES
 
 
 def _built(module: nn.Module, *inputs: torch.Tensor) -> Built:

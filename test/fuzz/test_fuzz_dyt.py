@@ -14,7 +14,8 @@ oracles). CI runs the derandomized "ci" profile; tools/fuzz.py runs the long one
 from hypothesis import event, given, settings
 
 from etfold.harness import fuzz_strategies as strategies
-from etfold.harness.differential import failure_message, run_case
+from etfold.harness.differential import run_case
+from etfold.harness.verdicts import failure_message
 
 
 @settings(settings.get_profile("ci"))

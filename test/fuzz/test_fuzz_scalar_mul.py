@@ -14,8 +14,9 @@ oracles). CI runs the derandomized "ci" profile; tools/fuzz.py runs the long one
 from hypothesis import event, example, given, settings
 
 from etfold.harness import fuzz_strategies as strategies
-from etfold.harness.differential import failure_message, run_case
+from etfold.harness.differential import run_case
 from etfold.harness.generated_scalar_mul import ScalarMulCase
+from etfold.harness.verdicts import failure_message
 
 # Beside the generated cases, two that every run checks: a per-channel scale over
 # a wide range (the fold must apply, on the right axis) and a NaN scale (it must not).

@@ -15,8 +15,9 @@ import pytest
 from hypothesis import event, given, settings
 
 from etfold.harness import fuzz_strategies as strategies
-from etfold.harness.differential import failure_message, run_case
+from etfold.harness.differential import run_case
 from etfold.harness.generated_weight_fold import GemmLayer, WeightFoldCase
+from etfold.harness.verdicts import failure_message
 
 
 @settings(settings.get_profile("ci"))

@@ -17,7 +17,9 @@ import math
 
 import torch
 
-from etfold.harness.differential import INT_MAX_EXCESS, Outcome, _Attempt, _judge_int
+from etfold.harness.attempts import Attempt
+from etfold.harness.int_judge import INT_MAX_EXCESS, judge_int
+from etfold.harness.verdicts import Outcome
 
 LSB = 0.01
 
@@ -28,9 +30,9 @@ def judge(mine: torch.Tensor, base: torch.Tensor, eager: torch.Tensor) -> Outcom
 
 def judge_rollout(mine: list, base: list, eager: list) -> Outcome:
     """One output per step."""
-    ours = _Attempt(outputs=[[m] for m in mine], lsb=[LSB])
-    baseline = _Attempt(outputs=[[b] for b in base], lsb=[LSB])
-    return _judge_int(Outcome("test", "ok"), ours, baseline, [[e] for e in eager])
+    ours = Attempt(outputs=[[m] for m in mine], lsb=[LSB])
+    baseline = Attempt(outputs=[[b] for b in base], lsb=[LSB])
+    return judge_int(Outcome("test", "ok"), ours, baseline, [[e] for e in eager])
 
 
 def grid(codes) -> torch.Tensor:

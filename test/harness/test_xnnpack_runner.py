@@ -241,7 +241,7 @@ class SharedRunningGain(torch.nn.Module):
 
 def test_methods_see_the_mutable_buffer_another_method_wrote():
     """A method loaded lazily on its first call would re-initialize the shared buffer."""
-    from etfold.harness.differential import _executorch_config
+    from etfold.harness.differential_xnnpack import executorch_config
     from etfold.harness.generated_cases import Built
 
     torch.manual_seed(4)
@@ -249,7 +249,7 @@ def test_methods_see_the_mutable_buffer_another_method_wrote():
     methods = {"forward": x, "half": x}
     programs = {name: export_method(module, name, x) for name in methods}
     lowered = lower_xnnpack(
-        programs, executorch_config=_executorch_config(Built(module, methods, []))
+        programs, executorch_config=executorch_config(Built(module, methods, []))
     )
     eager = copy.deepcopy(module)
     for method in ["forward", "half", "half", "forward", "half"]:
