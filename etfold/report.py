@@ -226,16 +226,23 @@ def upstream_scalar_mul_folds(module, inputs) -> list[FoldDecision]:
 
 
 def _conv_mul_sites(graph_module) -> list[str]:
+    """The multiplies one of whose operands is a conv (the Arm toolkit says which ops are)."""
     import torch
 
-    conv = {torch.ops.aten.conv2d.default, torch.ops.aten.convolution.default}
+    from etfold.backends.arm._passes.conv_arguments import ConvArguments, conv_arguments
+    from etfold.exir.passes.graph_walk import underlying_op
+
+    def is_conv(value) -> bool:
+        found = conv_arguments(value)
+        return isinstance(found, ConvArguments) and not found.linear
+
     mul = {torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar}
     return [
         node.name
         for node in graph_module.graph.nodes
         if node.op == "call_function"
-        and node.target in mul
-        and any(getattr(a, "target", None) in conv for a in node.args)
+        and underlying_op(node.target) in mul
+        and any(is_conv(a) for a in node.args)
     ]
 
 

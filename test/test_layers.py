@@ -30,7 +30,7 @@ LAYERS = (
             "etfold.backends.arm._passes.graph_utils",
             "etfold.backends.arm._passes.conv_arguments",
             "etfold.backends.arm._passes.layout_axes",
-            "etfold.backends.arm._passes.node_shapes",
+            "etfold.exir.passes.node_shapes",
             "etfold.backends.arm._passes.tosa_integer",
         ),
     ),

@@ -58,9 +58,9 @@ from etfold.backends.arm._passes.graph_utils import (
     fresh_constant_name,
 )
 from etfold.backends.arm._passes.layout_axes import Layout, axis_before_layout_op, layout_kind
-from etfold.backends.arm._passes.node_shapes import rank_of
 from etfold.decisions import Declined, record_declined
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
+from etfold.exir.passes.node_shapes import rank_of
 
 FOLD = "arm.dyt_affine_into_conv_float"
 

@@ -70,7 +70,6 @@ from etfold.backends.arm._passes.graph_utils import (
     fresh_constant_name,
 )
 from etfold.backends.arm._passes.layout_axes import Layout, axis_before_layout_op, layout_kind
-from etfold.backends.arm._passes.node_shapes import static_shape
 from etfold.backends.arm._passes.tosa_integer import (
     INT32_MAX,
     INT32_MIN,
@@ -81,6 +80,7 @@ from etfold.backends.arm._passes.tosa_integer import (
 )
 from etfold.decisions import Declined
 from etfold.exir.passes.graph_walk import tensor_digest
+from etfold.exir.passes.node_shapes import static_shape
 
 FOLD = "arm.dyt_affine_into_conv"
 

@@ -69,10 +69,10 @@ from etfold.backends.arm._passes.graph_utils import (
     twin_layers,
 )
 from etfold.backends.arm._passes.layout_axes import axis_after_layout_op, is_layout
-from etfold.backends.arm._passes.node_shapes import static_shape
 from etfold.decisions import Declined
 from etfold.exir.passes.graph_walk import tensor_digest, underlying_op
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
+from etfold.exir.passes.node_shapes import static_shape
 
 FOLD = "arm.scalar_mul_into_conv"
 

@@ -25,9 +25,9 @@ from executorch.exir.dialects._ops import ops as exir_ops
 from executorch.exir.pass_base import ExportPass, PassResult
 from torch.fx import GraphModule, Node
 
-from etfold.backends.arm._passes.node_shapes import rank_of
 from etfold.decisions import Declined
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
+from etfold.exir.passes.node_shapes import rank_of
 
 FOLD = "arm.higher_rank_operand_first"
 

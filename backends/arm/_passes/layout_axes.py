@@ -22,8 +22,8 @@ import enum
 import torch
 from torch.fx import Node
 
-from etfold.backends.arm._passes.node_shapes import static_shape
 from etfold.exir.passes.graph_walk import underlying_op
+from etfold.exir.passes.node_shapes import static_shape
 
 
 class Layout(enum.Enum):

@@ -41,6 +41,7 @@ from etfold.exir.passes.constant_prop.verdicts import (
     source_verdict,
 )
 from etfold.exir.passes.graph_walk import state_facts, state_placeholders
+from etfold.exir.passes.node_shapes import rank_of
 
 aten = torch.ops.aten
 
@@ -119,11 +120,6 @@ def op_packet(node: torch.fx.Node):
     return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else None
 
 
-def _rank(node: torch.fx.Node) -> int | None:
-    value = node.meta.get("val")
-    return value.dim() if isinstance(value, torch.Tensor) else None
-
-
 _EXPORT_CHECKS = frozenset({aten._assert_tensor_metadata.default, aten._assert_scalar.default})
 
 
@@ -158,7 +154,7 @@ def find_seeds(program: ExportedProgram, slots: dict) -> list[Seed]:
             if (
                 position == "weight"
                 and slot.weight_rank is not None
-                and _rank(value) != slot.weight_rank
+                and rank_of(value) != slot.weight_rank
             ):
                 continue
             if value not in static:

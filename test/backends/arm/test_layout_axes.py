@@ -22,7 +22,7 @@ from etfold.backends.arm._passes.layout_axes import (
     is_layout,
     layout_kind,
 )
-from etfold.backends.arm._passes.node_shapes import rank_of, static_shape
+from etfold.exir.passes.node_shapes import rank_of, static_shape
 
 
 class Tail(torch.nn.Module):

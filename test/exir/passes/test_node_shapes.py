@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from etfold.backends.arm._passes.node_shapes import rank_of, static_shape
+from etfold.exir.passes.node_shapes import rank_of, static_shape
 
 
 class Double(torch.nn.Module):
