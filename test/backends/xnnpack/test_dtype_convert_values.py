@@ -118,6 +118,9 @@ def test_fp32_to_fp16_is_bit_identical_including_nan_and_overflow():
 
 @pytest.mark.parametrize("form", EDGE_FORMS)
 def test_fp32_to_bf16_matches_torch_except_flushed_fp32_subnormals(form):
+    """Bit for bit torch's, but where an fp32 subnormal may be flushed to a zero of its
+    sign: CPUs with a native bf16 convert (AVX-512 BF16) treat subnormal inputs as zero,
+    others round them as torch does. Either is allowed; nothing else may differ."""
     program, x, expected, decisions = _lower(torch.float32, torch.bfloat16, form)
     _assert_one_delegated_convert(program, decisions, torch.float32, torch.bfloat16)
     (actual,) = program.run(x)
@@ -128,9 +131,9 @@ def test_fp32_to_bf16_matches_torch_except_flushed_fp32_subnormals(form):
     assert torch.isnan(actual[nan]).all() and torch.isnan(expected[nan]).all()
 
     differs = (_bits(actual) != _bits(expected)) & ~nan
-    flushed = _fp32_subnormal(x) & (expected != 0)
-    assert torch.equal(differs, flushed)
-    assert flushed.sum() >= 4, "the probes must include subnormals torch keeps"
-    assert (actual[flushed] == 0).all()
-    assert torch.equal(torch.signbit(actual[flushed]), torch.signbit(x[flushed]))
+    may_flush = _fp32_subnormal(x) & (expected != 0)
+    assert may_flush.sum() >= 4, "the probes must include subnormals torch keeps"
+    assert not (differs & ~may_flush).any(), x[differs & ~may_flush]
+    assert (actual[differs] == 0).all()
+    assert torch.equal(torch.signbit(actual[differs]), torch.signbit(x[differs]))
     _assert_ties_round_to_even(x, actual, mantissa_bits=7)
