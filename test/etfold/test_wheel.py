@@ -91,8 +91,15 @@ def test_wheel_holds_every_module_and_the_console_script(wheel):
     assert scripts["console_scripts"]["etfold"] == "etfold.cli:main"
 
 
-def _report_rows(stdout: str) -> list[dict]:
-    return json.loads(stdout)
+def _conv_block_rows(stdout: str) -> tuple[dict, dict]:
+    """conv_block's stock and etfold rows, checked: one delegate each, nothing outside."""
+    stock, ours = json.loads(stdout)
+    assert (stock["model"], stock["flavour"], ours["flavour"]) == ("conv_block", "stock", "etfold")
+    for row in (stock, ours):
+        assert row["failure"] is None and row["delegates"] == 1 and row["ops_outside"] == {}
+        assert row["max_error"] < 1e-4 and row["median_ms"] > 0
+    assert stock["pte_bytes"] == ours["pte_bytes"] > 0
+    return stock, ours
 
 
 def test_unpacked_wheel_reports_from_outside_the_checkout(wheel, tmp_path):
@@ -111,12 +118,7 @@ def test_unpacked_wheel_reports_from_outside_the_checkout(wheel, tmp_path):
     result = _check(
         [sys.executable, "-c", run, str(site), *report], cwd=elsewhere, env=_clean_env()
     )
-    stock, ours = _report_rows(result.stdout)
-    assert (stock["model"], stock["flavour"], ours["flavour"]) == ("conv_block", "stock", "etfold")
-    for row in (stock, ours):
-        assert row["failure"] is None and row["delegates"] == 1 and row["ops_outside"] == {}
-        assert row["max_error"] < 1e-4 and row["median_ms"] > 0
-    assert stock["pte_bytes"] == ours["pte_bytes"] > 0
+    _conv_block_rows(result.stdout)
 
 
 def _install(python: Path, wheel: Path, cache: Path) -> None:
@@ -143,12 +145,7 @@ def test_wheel_installs_into_a_fresh_venv_and_reports_from_outside_the_checkout(
 
     report = [str(venv / "bin" / "etfold"), "report", *REPORT_MODELS, "--json", "--budget", "0.2"]
     result = _check(report, cwd=elsewhere, env=env)
-    stock, ours = _report_rows(result.stdout)
-    assert (stock["model"], stock["flavour"], ours["flavour"]) == ("conv_block", "stock", "etfold")
-    for row in (stock, ours):
-        assert row["failure"] is None and row["delegates"] == 1 and row["ops_outside"] == {}
-        assert row["max_error"] < 1e-4 and row["median_ms"] > 0
-    assert stock["pte_bytes"] == ours["pte_bytes"] > 0
+    stock, ours = _conv_block_rows(result.stdout)
     assert ours["ratio_p10"] <= ours["ratio"] <= ours["ratio_p90"]
     # stderr: one line per skipped extra first; no warnings, no runtime chatter
     assert result.stderr.splitlines()[:2] == [
