@@ -129,29 +129,13 @@ _ACTIVATIONS = {"none": lambda x: x, "relu": torch.relu, "tanh": torch.tanh}
 def gemm_layer_module(spec: GemmLayer, dims: int, in_channels: int) -> nn.Module:
     if spec.kind == "linear":
         return nn.Linear(in_channels, spec.out_channels, bias=spec.bias)
-    padding = same_padding(spec.kernel, spec.dilation)
+    shared = dict(stride=spec.stride, dilation=spec.dilation, groups=spec.groups, bias=spec.bias)
     if spec.kind == "conv":
         cls = nn.Conv1d if dims == 1 else nn.Conv2d
-        return cls(
-            in_channels,
-            spec.out_channels,
-            spec.kernel,
-            stride=spec.stride,
-            padding=padding,
-            dilation=spec.dilation,
-            groups=spec.groups,
-            bias=spec.bias,
-        )
-    cls = nn.ConvTranspose1d if dims == 1 else nn.ConvTranspose2d
-    return cls(
-        in_channels,
-        spec.out_channels,
-        spec.kernel,
-        stride=spec.stride,
-        dilation=spec.dilation,
-        groups=spec.groups,
-        bias=spec.bias,
-    )
+        shared["padding"] = same_padding(spec.kernel, spec.dilation)
+    else:
+        cls = nn.ConvTranspose1d if dims == 1 else nn.ConvTranspose2d
+    return cls(in_channels, spec.out_channels, spec.kernel, **shared)
 
 
 def _gemm(layer: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
