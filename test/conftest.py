@@ -12,12 +12,18 @@
   for a developer hunting new ones; the long fuzz profile is `make fuzz`.
 - `ETFOLD_TEST_SHUFFLE=SEED` runs the collected tests in an order shuffled by
   SEED, the check that no test leans on another having run first (CONTRIBUTING).
+- Every test runs inside `one_composite_op_lookup_per_walk()`: torch decomposes
+  exactly as it would, without repeating one lookup per op namespace, which is
+  a fifth of each small lowering (stock and etfold alike).
 """
 
 import os
 import random
 
+import pytest
 from hypothesis import settings
+
+from etfold.exir.program.composite_op_lookup import one_composite_op_lookup_per_walk
 
 settings.register_profile("suite", derandomize=True, database=None, deadline=None)
 settings.register_profile("explore", database=None, deadline=None)
@@ -28,3 +34,9 @@ def pytest_collection_modifyitems(config, items):
     seed = os.environ.get("ETFOLD_TEST_SHUFFLE")
     if seed:
         random.Random(seed).shuffle(items)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_composite_op_lookup_per_walk():
+    with one_composite_op_lookup_per_walk():
+        yield

@@ -14,8 +14,10 @@ upstream it marks the copies (`mark_for_lowering`: each step in
 see one method, know what the other methods do; a partitioner lowered through
 upstream's entry point computes the same marks itself. The scopes backends
 register (`lowering_scopes`) are entered around the call, so whatever a
-backend installed into upstream for it is gone when it returns or raises. The
-returned manager checks the external constant map at `to_executorch()`.
+backend installed into upstream for it is gone when it returns or raises, and
+torch's decompositions look composite ops up once per walk
+(`composite_op_lookup`). The returned manager checks the external constant map
+at `to_executorch()`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.export import ExportedProgram
 
 from etfold.exir.emit.external_constants import check_external_constant_names
 from etfold.exir.program.buffer_marks import mark_buffer_fold_blockers
+from etfold.exir.program.composite_op_lookup import one_composite_op_lookup_per_walk
 from etfold.exir.program.lowering_scopes import lowering_scopes
 from etfold.exir.program.method_marks import (
     MarkingStep,
@@ -91,7 +94,7 @@ def to_edge_transform_and_lower(
         for method, program in by_method.items()
     }
     mark_for_lowering(copies)
-    with lowering_scopes():
+    with lowering_scopes(), one_composite_op_lookup_per_walk():
         manager = _upstream_to_edge_transform_and_lower(
             copies if isinstance(programs, dict) else copies["forward"],
             transform_passes=transform_passes,
