@@ -9,7 +9,7 @@ CONSTRAINTS := constraints.txt
 # /opt/wheels; elsewhere it comes from PyTorch's CPU index (PyPI's is the CUDA build).
 TORCH_SOURCE := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,--extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: install report test test-wheel lint bench buck fuzz
+.PHONY: install report test test-long test-wheel lint bench buck fuzz
 
 install: $(STAMP)
 
@@ -23,6 +23,11 @@ report: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -n 2 --dist loadfile
+
+# The long profile: the cases `make test` samples (marked `long`: more dtypes, layouts and
+# model pairings of properties the short profile proves once), and the wheel install below.
+test-long: $(STAMP)
+	$(VENV)/bin/python -m pytest -n 2 --dist loadfile -m long
 
 # The long profile of the wheel test: install the built wheel into a fresh venv from the
 # configured package indexes (minutes; `make test` checks the wheel's contents and runs it unpacked).

@@ -34,7 +34,7 @@ from etfold.harness.generated_weight_fold import WEIGHT_EXPRESSIONS, GemmLayer, 
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 
 # Examples per family in the CI profile: each costs two or three real lowerings.
-CI_EXAMPLES = int(os.environ.get("ETFOLD_FUZZ_CI_EXAMPLES", "4"))
+CI_EXAMPLES = int(os.environ.get("ETFOLD_FUZZ_CI_EXAMPLES", "2"))
 
 settings.register_profile(
     "ci",

@@ -79,7 +79,12 @@ def _lower_both(module, samples):
     return unfolded.operator_counts(), folded.operator_counts(), affine
 
 
-@pytest.mark.parametrize("nhwc", [True, False], ids=["nhwc", "nchw"])
+# One layout per test in `make test`, the other in `make test-long`: both tests see both.
+NHWC_SHORT = [True, pytest.param(False, marks=pytest.mark.long)]
+NCHW_SHORT = [False, pytest.param(True, marks=pytest.mark.long)]
+
+
+@pytest.mark.parametrize("nhwc", NHWC_SHORT, ids=["nhwc", "nchw"])
 def test_matrix_identity_folds_random_declines_bit_identically(nhwc):
     """Every conv of the matrix ({1x1, 3x3 padded, 3x3 unpadded, dw 3x3 padded, dw 1x1})
     after an identity and after a random gamma/beta, in one program per layout."""
@@ -122,7 +127,7 @@ class ChannelSlice(torch.nn.Module):
 EXACT = dict(gamma=[2.0, 2.0, 0.0, 2.0], beta=[0.0, 0.0, 0.7, 0.0])
 
 
-@pytest.mark.parametrize("nhwc", [True, False], ids=["nhwc", "nchw"])
+@pytest.mark.parametrize("nhwc", NCHW_SHORT, ids=["nchw", "nhwc"])
 def test_exact_sites_fold_or_keep_beta_bit_identically(nhwc):
     torch.manual_seed(0)
     sites = [

@@ -120,8 +120,22 @@ def hand_folded_case(dims: int, kind: str) -> TosaProgram:
     return lower_module_tosa(model.hand_folded(), inputs, INT)[0]
 
 
-@pytest.mark.parametrize("dims", [1, 2], ids=["conv1d", "conv2d"])
-@pytest.mark.parametrize("kind", ["scalar", "per_channel"])
+def _sampled(cases: list[tuple], long: set[str]) -> list:
+    """`cases` as parameters named by their ids; those named in `long` run in `make test-long`."""
+    return [
+        pytest.param(*case[:-1], id=case[-1], marks=[pytest.mark.long] if case[-1] in long else [])
+        for case in cases
+    ]
+
+
+# Each kind and each conv rank in `make test`; the other two pairings in `make test-long`.
+KIND_AND_DIMS = [
+    (kind, dims, f"{kind}-conv{dims}d") for kind in ("scalar", "per_channel") for dims in (1, 2)
+]
+KIND_AND_DIMS_LONG = {"scalar-conv1d", "per_channel-conv2d"}
+
+
+@pytest.mark.parametrize("kind, dims", _sampled(KIND_AND_DIMS, KIND_AND_DIMS_LONG))
 def test_int_fold_removes_mul_and_matches_hand_folded(dims, kind):
     model, inputs = _model(dims, kind)
     unfolded, _ = lowered_case(dims, kind, INT, "unfolded")
@@ -159,8 +173,7 @@ def test_conv2d_3_to_8_operator_count_drops_like_stock():
     assert (unfolded["MUL"], folded["MUL"]) == (1, 0)
 
 
-@pytest.mark.parametrize("dims", [1, 2], ids=["conv1d", "conv2d"])
-@pytest.mark.parametrize("kind", ["scalar", "per_channel"])
+@pytest.mark.parametrize("kind, dims", _sampled(KIND_AND_DIMS, KIND_AND_DIMS_LONG))
 def test_fp_fold_in_backend_pipeline(dims, kind):
     model, inputs = _model(dims, kind)
     folded, decisions = lowered_case(dims, kind, FP, "etfold")
@@ -230,8 +243,17 @@ def _shared(**kwargs):
     return SharedWeight(**kwargs).eval(), (torch.randn(1, 3, 8, 8),)
 
 
-@pytest.mark.parametrize("twin", [False, True], ids=["mirrored_input", "twin"])
-@pytest.mark.parametrize("profile", [INT, FP])
+@pytest.mark.parametrize(
+    "profile, twin",
+    _sampled(
+        [
+            (p, twin, f"{p}-{name}")
+            for p in (INT, FP)
+            for twin, name in ((False, "mirrored_input"), (True, "twin"))
+        ],
+        {f"{INT}-mirrored_input", f"{FP}-twin"},
+    ),
+)
 def test_shared_weight_folds_each_conv_with_its_own_scale(profile, twin):
     """Twins whose scaled products are summed with same-sign scales fold too: their
     shared rounding adds up, it does not cancel."""
@@ -314,8 +336,13 @@ _APART_SCALES = {
 }
 
 
-@pytest.mark.parametrize("scales", list(_APART_SCALES), ids=list(_APART_SCALES))
-@pytest.mark.parametrize("profile", [INT, FP])
+@pytest.mark.parametrize(
+    "profile, scales",
+    _sampled(
+        [(p, scales, f"{p}-{scales}") for p in (INT, FP) for scales in _APART_SCALES],
+        {f"{INT}-scalar", f"{FP}-per_channel"},
+    ),
+)
 def test_twins_returned_apart_both_fold_within_one_lsb_of_hand_folded(profile, scales):
     """Their results never meet, so no sum can cancel the rounding they share."""
     torch.manual_seed(0)

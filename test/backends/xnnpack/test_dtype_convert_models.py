@@ -100,8 +100,16 @@ DECODERS = {"gemma3": tiny_gemma3, "llama": tiny_llama}
 DECODER_SIZE = dict(hidden=64, vocab=64, initializer_range=0.3)
 
 
-@pytest.mark.parametrize("dtype", NARROW, ids=NARROW_IDS)
-@pytest.mark.parametrize("name", DECODERS)
+# Each model in one dtype in `make test`; the other two pairings in `make test-long`.
+DECODER_CASES = [
+    pytest.param("llama", torch.bfloat16, id="llama-bf16"),
+    pytest.param("gemma3", torch.float16, id="gemma3-fp16"),
+    pytest.param("llama", torch.float16, id="llama-fp16", marks=pytest.mark.long),
+    pytest.param("gemma3", torch.bfloat16, id="gemma3-bf16", marks=pytest.mark.long),
+]
+
+
+@pytest.mark.parametrize("name, dtype", DECODER_CASES)
 def test_tiny_decoder_matches_eager_in_its_own_dtype(name, dtype):
     module = DECODERS[name](dtype, **DECODER_SIZE)
     ids = token_ids(DECODER_SIZE["vocab"], 8)
