@@ -161,7 +161,7 @@ def test_finds_no_conflict_when_readers_are_in_different_partitions():
 
 
 @settings(
-    max_examples=8,
+    max_examples=4,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],

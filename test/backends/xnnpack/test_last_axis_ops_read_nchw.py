@@ -180,7 +180,7 @@ def test_guard_extends_the_set_only_in_its_own_thread():
 
 
 @settings(
-    max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 @given(
     groups=st.sampled_from([1, 2, 3]),
