@@ -23,6 +23,11 @@ What may differ between spellings, and only that:
 - for a user input written in place, the copies writing it back: upstream's
   lowering writes a functionalized input mutation back with one more
   `aten.copy` than the in-place one (stock ExecuTorch does the same).
+
+One form of each pair is also run against eager. Its written buffers keep their
+initial values (`InitializedMutableBufferPass`; by default ExecuTorch serializes
+only their shape). The runtime leaves a caller's tensor as it was and returns
+the input's new value as the method's first output, so eager is read the same way.
 """
 
 from __future__ import annotations
