@@ -55,7 +55,7 @@ FOLD = "xnnpack.fold_gemm_weight"
 _CARRIED_MARKS = (SHARED_ACROSS_METHODS, BUFFER_FOLD_BLOCKERS, "custom")
 
 
-def _carry_marks(source: ExportedProgram, target: ExportedProgram) -> None:
+def carry_placeholder_marks(source: ExportedProgram, target: ExportedProgram) -> None:
     """Copy placeholder marks a retrace drops, matched by FQN (the marks are per FQN)."""
     after = state_placeholders(target)
     for fqn, node in state_placeholders(source).items():
@@ -114,7 +114,7 @@ def _fold_once(program: ExportedProgram, slots: dict, budget: int | None):
         return program, 0
     # an in-place KV-cache write on a buffer must come out as a buffer mutation, not be folded away
     functional = program.run_decompositions({})
-    _carry_marks(program, functional)
+    carry_placeholder_marks(program, functional)
     plan = plan_weight_folds(functional, slots, budget)
     _record(plan)
     if not plan.groups:
@@ -158,6 +158,6 @@ def fold_gemm_weights(
     ):
         return folded
     decomposed = folded.run_decompositions(decomposition_table)
-    _carry_marks(folded, decomposed)
+    carry_placeholder_marks(folded, decomposed)
     again, _ = _fold_once(promote_constant_operands(decomposed), slots, budget - growth)
     return again if again is not decomposed else folded

@@ -35,6 +35,10 @@ from etfold.backends.xnnpack._passes.last_axis_ops_read_nchw import (
     LAYOUT_GUARD_SPEC,
     needs_layout_guard,
 )
+from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
+    means_over_last_dim_as_pooling,
+)
+from etfold.backends.xnnpack._passes.mul_scalar_as_tensor_pass import mul_scalars_as_tensors
 from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import (
     delegated_op_names,
     shape_ops_as_views,
@@ -101,7 +105,20 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
             exported_program = fold_gemm_weights(
                 exported_program, slots, self._decomposition_table(exported_program)
             )
-        return self._shape_ops_as_views(exported_program)
+        exported_program = self._shape_ops_as_views(exported_program)
+        configs, user_bf16 = self.target_partitioner_configs, self._user_enable_bf16
+        bf16 = bf16_applies(exported_program, user_bf16)
+        if not self.per_op_mode and {"mean.dim", "view_copy.default"} <= configs.keys():
+            exported_program = means_over_last_dim_as_pooling(
+                exported_program, bf16=bf16 and bf16_setting("mean.dim", user_bf16)
+            )
+        if "mul.Tensor" in configs:
+            exported_program = mul_scalars_as_tensors(
+                exported_program,
+                self._decomposition_table(exported_program),
+                bf16=bf16 and bf16_setting("mul.Tensor", user_bf16),
+            )
+        return exported_program
 
     @staticmethod
     def _judged_across_methods(exported_program: ExportedProgram) -> ExportedProgram:

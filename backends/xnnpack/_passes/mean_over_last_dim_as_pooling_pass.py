@@ -1,0 +1,169 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Write a mean over the last dim as the 4-D mean XNNPACK takes (global average pooling).
+
+Given:   y = mean.dim(x, [r - 1], keepdim)          x: [s0, ..., s(r-2), C], static
+Result:  p = mean.dim(view(x, [N, 1, 1, C]), [-2, -1], keepdim=True)     N = s0 * ... * s(r-2)
+         y = view(p, [s0, ..., s(r-2), 1] if keepdim else [s0, ..., s(r-2)])
+
+Both sides average the same C values for each of the N rows: a contiguous `x`
+laid out as rows of C is exactly `[N, 1, 1, C]`, whose last two dims hold one
+row's C values, and the mean over them is taken once per row, as before. The
+view back gives `y`'s own shape. RMSNorm's `x.pow(2).mean(-1, keepdim=True)` is
+this op; upstream's MeanDimConfig takes only 4-D inputs reduced over the last
+two dims with keepdim, so it leaves every RMSNorm's mean on portable kernels and
+splits each decoder layer around it. Upstream delegates a static `view_copy`.
+
+With `N` first and one channel, the NCHW -> NHWC transposes XNNPACK's layout
+pass puts around the pooling move no data (a [N, 1, 1, C] tensor has the same
+bytes in both layouts).
+
+Runs on the ATen program, before decomposition: `mean.dim` reaches the edge
+program as `mean.dim`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+
+from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import XNN_MAX_TENSOR_DIMS
+from etfold.decisions import Declined, record_applied
+from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_shapes import rank_of, static_shape
+
+FOLD = "xnnpack.mean_over_last_dim_as_pooling"
+
+aten = torch.ops.aten
+_FLOATS = frozenset({torch.float32, torch.float16})
+
+
+@dataclass(frozen=True)
+class MeanOverLastDim:
+    node: torch.fx.Node
+    rows: int  # N: the product of every size but the last
+    width: int  # C: the size of the last dim
+
+
+def _dims_and_keepdim(node: torch.fx.Node) -> tuple[object, bool]:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return dims, bool(keepdim)
+
+
+def is_upstream_delegated(node: torch.fx.Node) -> bool:
+    """A 4-D mean over dims 2 and 3 with keepdim: upstream's config and visitor take it."""
+    dims, keepdim = _dims_and_keepdim(node)
+    if rank_of(node.args[0]) != 4 or not isinstance(dims, (list, tuple)):
+        return False
+    return keepdim and sorted(d % 4 for d in dims) == [2, 3]
+
+
+def reduces_last_dim_only(node: torch.fx.Node, rank: int) -> Declined | None:
+    dims, _ = _dims_and_keepdim(node)
+    if not isinstance(dims, (list, tuple)) or len(dims) != 1 or dims[0] % rank != rank - 1:
+        return Declined(f"reduces dims {dims}: only a mean over the last dim alone is rewritten")
+    return None
+
+
+def has_no_dtype_override(node: torch.fx.Node) -> Declined | None:
+    if node.kwargs.get("dtype") is not None:
+        return Declined("mean with an explicit dtype: XNNPACK's pooling has no dtype argument")
+    return None
+
+
+def dtype_compiles(value: torch.Tensor, dtypes: Collection[torch.dtype]) -> Declined | None:
+    if value.dtype not in dtypes:
+        names = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        return Declined(f"{value.dtype} mean: XNNPACK's mean compiles for {names} here")
+    return None
+
+
+def rank_fits(rank: int, keepdim: bool) -> Declined | None:
+    """The view back has rank `rank` (keepdim) or `rank - 1`, which XNNPACK must hold."""
+    if rank > XNN_MAX_TENSOR_DIMS or rank - (not keepdim) < 1:
+        return Declined(
+            f"rank {rank} input (keepdim={keepdim}): the views would need "
+            f"1 to {XNN_MAX_TENSOR_DIMS} dims"
+        )
+    return None
+
+
+def static_nonempty_shape(source: torch.fx.Node) -> tuple[int, ...] | Declined:
+    shape = static_shape(source)
+    if shape is None:
+        return Declined("dynamic shape: the rows to pool are not known when lowering")
+    if math.prod(shape) == 0:
+        return Declined(f"empty input {list(shape)}: XNNPACK takes no empty tensors")
+    return shape
+
+
+def viewable(source: torch.fx.Node) -> Declined | None:
+    if not source.meta["val"].is_contiguous():
+        return Declined("input is not contiguous: the [N, 1, 1, C] view would need a copy")
+    return None
+
+
+def match_mean_over_last_dim(
+    node: torch.fx.Node, dtypes: Collection[torch.dtype]
+) -> MeanOverLastDim | Declined | None:
+    """The pooling `node` becomes, a reason it stays, or None when it is not ours to judge."""
+    if node.op != "call_function" or node.target != aten.mean.dim:
+        return None
+    source = node.args[0]
+    rank = rank_of(source)
+    if rank is None or rank_of(node) is None:
+        return Declined("no tensor metadata on the mean or its input")
+    if is_upstream_delegated(node):
+        return None
+    _, keepdim = _dims_and_keepdim(node)
+    checks = (
+        lambda: rank_fits(rank, keepdim),  # first: the others assume rank >= 1
+        lambda: reduces_last_dim_only(node, rank),
+        lambda: has_no_dtype_override(node),
+        lambda: dtype_compiles(source.meta["val"], dtypes),
+    )
+    for check in checks:
+        if (declined := check()) is not None:
+            return declined
+    shape = static_nonempty_shape(source)
+    if isinstance(shape, Declined):
+        return shape
+    if (declined := viewable(source)) is not None:
+        return declined
+    return MeanOverLastDim(node, math.prod(shape[:-1]), shape[-1])
+
+
+def rewrite_as_pooling(match: MeanOverLastDim) -> None:
+    """The mean node becomes the 4-D pooling; a view after it gives its users the old shape."""
+    node, graph = match.node, match.node.graph
+    source, before = node.args[0], node.meta["val"]
+    flat_shape = [match.rows, 1, 1, match.width]
+    with graph.inserting_before(node):
+        flat = graph.call_function(aten.view.default, (source, flat_shape))
+    flat.meta = {**node.meta, "val": source.meta["val"].view(flat_shape)}
+    node.args, node.kwargs = (flat, [-2, -1], True), {}
+    node.meta["val"] = flat.meta["val"].mean([-2, -1], keepdim=True)
+    with graph.inserting_after(node):
+        back = graph.call_function(aten.view.default, (node, list(before.shape)))
+    back.meta = {**node.meta, "val": before}
+    node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
+    record_applied(FOLD, node.name, f"mean over the last {match.width} values of {match.rows} rows")
+
+
+def means_over_last_dim_as_pooling(program: ExportedProgram, *, bf16: bool) -> ExportedProgram:
+    """`program`, or a rewritten copy when some mean over the last dim becomes a pooling.
+
+    `bf16`: whether XNNPACK compiles this mean in bf16 for this lowering."""
+    dtypes = _FLOATS | {torch.bfloat16} if bf16 else _FLOATS
+    match = functools.partial(match_mean_over_last_dim, dtypes=dtypes)
+    return rewrite_matches_on_a_copy(program, match, rewrite_as_pooling, FOLD)
