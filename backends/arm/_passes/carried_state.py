@@ -33,7 +33,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from torch.fx import GraphModule, Node
 
-from etfold.backends.arm._passes.graph_utils import COPY_OPS, quantization_source
+from etfold.backends.arm._passes.op_families import COPY_OPS, quantization_source
 from etfold.exir.passes.graph_walk import state_writes, underlying_op
 
 CARRIED_QUANT_STATE = "etfold.carried_quant_state"

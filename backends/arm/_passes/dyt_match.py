@@ -33,11 +33,8 @@ from executorch.exir.dialects._ops import ops as exir_ops
 from executorch.exir.pass_base import PassResult
 from torch.fx import GraphModule, Node
 
-from etfold.backends.arm._passes.graph_utils import (
-    constant_tensor,
-    delete_constant_if_unused,
-    ensure_fake_values,
-)
+from etfold.backends.arm._passes.constants import constant_tensor, delete_constant_if_unused
+from etfold.backends.arm._passes.fake_values import ensure_fake_values
 from etfold.backends.arm._passes.tosa_integer import Rescale
 from etfold.decisions import record_declined
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match

@@ -43,20 +43,19 @@ from executorch.backends.arm._passes.arm_pass import ArmPass
 from executorch.exir.pass_base import ExportPass, PassResult
 from torch.fx import GraphModule, Node
 
+from etfold.backends.arm._passes.channel_vectors import channel_vector, conv_input_channels
+from etfold.backends.arm._passes.constants import (
+    constant_tensor,
+    create_constant,
+    delete_constant_if_unused,
+    fresh_constant_name,
+)
 from etfold.backends.arm._passes.conv_arguments import (
     ConvArguments,
     conv_arguments,
     set_conv_argument,
 )
-from etfold.backends.arm._passes.graph_utils import (
-    channel_vector,
-    constant_tensor,
-    conv_input_channels,
-    create_constant,
-    delete_constant_if_unused,
-    ensure_fake_values,
-    fresh_constant_name,
-)
+from etfold.backends.arm._passes.fake_values import ensure_fake_values
 from etfold.backends.arm._passes.layout_axes import Layout, axis_before_layout_op, layout_kind
 from etfold.decisions import Declined, record_declined
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match

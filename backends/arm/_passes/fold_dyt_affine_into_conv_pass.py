@@ -43,6 +43,12 @@ from executorch.exir import ExportedProgram
 from executorch.exir.pass_base import ExportPass
 from torch.fx import GraphModule, Node
 
+from etfold.backends.arm._passes.channel_vectors import channel_vector, conv_input_channels
+from etfold.backends.arm._passes.constants import (
+    NAME_DIGEST_LENGTH,
+    create_constant,
+    fresh_constant_name,
+)
 from etfold.backends.arm._passes.conv_arguments import (
     NOT_A_LAYER,
     ConvArguments,
@@ -61,13 +67,6 @@ from etfold.backends.arm._passes.dyt_match import (
     int32_constant_operand,
     rescale_of,
     single_qargs,
-)
-from etfold.backends.arm._passes.graph_utils import (
-    NAME_DIGEST_LENGTH,
-    channel_vector,
-    conv_input_channels,
-    create_constant,
-    fresh_constant_name,
 )
 from etfold.backends.arm._passes.layout_axes import Layout, axis_before_layout_op, layout_kind
 from etfold.backends.arm._passes.tosa_integer import (

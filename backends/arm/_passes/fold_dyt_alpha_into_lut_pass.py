@@ -40,6 +40,11 @@ from executorch.exir import ExportedProgram
 from executorch.exir.pass_base import ExportPass
 from torch.fx import GraphModule, Node
 
+from etfold.backends.arm._passes.constants import (
+    NAME_DIGEST_LENGTH,
+    create_constant,
+    fresh_constant_name,
+)
 from etfold.backends.arm._passes.dyt_match import (
     MUL,
     TABLE,
@@ -50,11 +55,6 @@ from etfold.backends.arm._passes.dyt_match import (
     int32_constant_operand,
     rescale_of,
     single_qargs,
-)
-from etfold.backends.arm._passes.graph_utils import (
-    NAME_DIGEST_LENGTH,
-    create_constant,
-    fresh_constant_name,
 )
 from etfold.backends.arm._passes.lowering_target import ethos_u_target
 from etfold.backends.arm._passes.tosa_integer import Rescale, fits_int32

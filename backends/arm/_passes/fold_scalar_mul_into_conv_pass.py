@@ -52,23 +52,22 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from etfold.backends.arm._passes.carried_state import carried_region
+from etfold.backends.arm._passes.channel_vectors import channel_vector
+from etfold.backends.arm._passes.constants import (
+    NAME_DIGEST_LENGTH,
+    constant_tensor,
+    create_constant,
+    delete_constant_if_unused,
+    fresh_constant_name,
+)
 from etfold.backends.arm._passes.conv_arguments import (
     ConvArguments,
     conv_arguments,
     set_conv_argument,
 )
-from etfold.backends.arm._passes.graph_utils import (
-    NAME_DIGEST_LENGTH,
-    channel_vector,
-    constant_tensor,
-    create_constant,
-    delete_constant_if_unused,
-    fresh_constant_name,
-    is_inference_noop,
-    meet,
-    twin_layers,
-)
 from etfold.backends.arm._passes.layout_axes import axis_after_layout_op, is_layout
+from etfold.backends.arm._passes.op_families import is_inference_noop
+from etfold.backends.arm._passes.twin_layers import meet, twin_layers
 from etfold.decisions import Declined
 from etfold.exir.passes.graph_walk import tensor_digest, underlying_op
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
