@@ -46,7 +46,7 @@ from etfold.exir.passes.constant_prop.verdicts import (
     is_impure,
     source_custom,
 )
-from etfold.exir.passes.graph_walk import state_placeholders
+from etfold.exir.passes.graph_walk import state_placeholders, written_arguments
 from etfold.exir.program.buffer_marks import BUFFER_FOLD_BLOCKERS
 
 GROWTH_FLOOR_BYTES = 64 * 1024
@@ -128,7 +128,8 @@ def constant_closure(
             continue
         verdict = weight_fold_op_verdict(node)
         if verdict is not None:
-            return verdict
+            written = _written_source(node, source_verdict)
+            return verdict if written is None else written
         nodes.add(node)
         for producer in node.all_input_nodes:
             if producer not in seen:
@@ -138,6 +139,14 @@ def constant_closure(
     if isinstance(agreed, Declined):
         return agreed
     return Closure(seed, frozenset(nodes), frozenset(sources))
+
+
+def _written_source(node: torch.fx.Node, source_verdict) -> Declined | None:
+    """An op writing a placeholder in place: its result is that state, judged as such."""
+    for written in written_arguments(node):
+        if written.op == "placeholder" and (verdict := source_verdict(written)) is not None:
+            return verdict
+    return None
 
 
 def _value_bytes(node: torch.fx.Node) -> int | None:
