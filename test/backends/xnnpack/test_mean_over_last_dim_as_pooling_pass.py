@@ -1,0 +1,145 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""A mean over the last dim (RMSNorm's) runs inside the delegate, as XNNPACK's 4-D pooling."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from etfold.backends.xnnpack import XnnpackPartitioner
+from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
+    FOLD,
+    means_over_last_dim_as_pooling,
+)
+from etfold.decisions import collect_decisions
+from etfold.exir import to_edge_transform_and_lower
+from etfold.harness.xnnpack_runner import assert_close, lower_module_xnnpack
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Mean(torch.nn.Module):
+    def __init__(self, dim=-1, keepdim=True, **kwargs):
+        super().__init__()
+        self.dim, self.keepdim, self.kwargs = dim, keepdim, kwargs
+
+    def forward(self, x):
+        return torch.relu(x).mean(self.dim, keepdim=self.keepdim, **self.kwargs) * 2
+
+
+class TransposedMean(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x).transpose(0, 1).mean(-1, keepdim=True)
+
+
+@functools.cache
+def _lowered(dtype: torch.dtype, upstream_entry_point: bool):
+    torch.manual_seed(0)
+    module, inputs = RMSNorm().to(dtype).eval(), (torch.randn(2, 5, 16).to(dtype),)
+    lower = {} if upstream_entry_point else {"lower": to_edge_transform_and_lower}
+    with collect_decisions() as decisions:
+        program, expected = lower_module_xnnpack(module, inputs, [XnnpackPartitioner()], **lower)
+    return program, expected, inputs, [d for d in decisions if d.fold == FOLD]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "upstream_entry_point"),
+    [(torch.float32, True), (torch.float32, False), (torch.float16, False)],
+)
+def test_rmsnorm_mean_joins_the_delegate(dtype, upstream_entry_point):
+    program, expected, inputs, decisions = _lowered(dtype, upstream_entry_point)
+    assert program.delegates() == 1
+    assert "aten.mean.dim" not in program.ops_outside()
+    assert [d.applied for d in decisions] == [True]
+    assert_close(program.run(*inputs), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_bf16_rmsnorm_keeps_its_mean_on_portable_and_matches_eager():
+    program, expected, inputs, decisions = _lowered(torch.bfloat16, False)
+    assert program.ops_outside()["aten.mean.dim"] == 1
+    assert [d.applied for d in decisions] == [False]
+    assert decisions[0].detail.startswith("torch.bfloat16 mean")
+    assert_close(program.run(*inputs), expected, atol=5e-2, rtol=5e-2)
+
+
+def _declined_by_pass(module, inputs, *, bf16=False, **export_kwargs) -> list[str]:
+    """The pass on the exported program: it must come back unchanged; the reasons."""
+    program = torch.export.export(module.eval(), inputs, **export_kwargs)
+    before = program.graph_module.code
+    with collect_decisions() as decisions:
+        result = means_over_last_dim_as_pooling(program, bf16=bf16)
+    assert result is program and program.graph_module.code == before
+    return [d.detail for d in decisions if d.fold == FOLD and not d.applied]
+
+
+def test_declines_when_the_views_would_have_no_dims():
+    (reason,) = _declined_by_pass(Mean(keepdim=False), (torch.randn(8),))
+    assert "rank 1 input (keepdim=False)" in reason
+
+
+def test_declines_when_it_reduces_another_dim():
+    (reason,) = _declined_by_pass(Mean(dim=1), (torch.randn(2, 3, 4),))
+    assert "reduces dims [1]" in reason
+
+
+def test_declines_when_it_has_a_dtype_override():
+    (reason,) = _declined_by_pass(Mean(dtype=torch.float32), (torch.randn(2, 4),))
+    assert "explicit dtype" in reason
+
+
+def test_declines_when_xnnpack_cannot_compile_its_dtype():
+    (reason,) = _declined_by_pass(Mean(), (torch.randn(2, 4).to(torch.bfloat16),))
+    assert "torch.bfloat16 mean" in reason
+
+
+def test_declines_when_the_shape_is_dynamic():
+    rows = torch.export.Dim("rows", min=2, max=64)
+    inputs = (torch.randn(4, 8),)
+    (reason,) = _declined_by_pass(Mean(), inputs, dynamic_shapes=({0: rows},))
+    assert "dynamic shape" in reason
+
+
+def test_declines_when_the_input_is_empty():
+    (reason,) = _declined_by_pass(Mean(), (torch.randn(0, 4),))
+    assert "empty input" in reason
+
+
+def test_declines_when_the_input_is_not_contiguous():
+    (reason,) = _declined_by_pass(TransposedMean(), (torch.randn(3, 4, 5),))
+    assert "not contiguous" in reason
+
+
+@settings(max_examples=3)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=1, max_size=3).map(lambda s: [*s, 6]),
+    last=st.booleans(),
+    keepdim=st.booleans(),
+)
+def test_generated_means_match_eager_and_leave_the_last_dim_ones_delegated(shape, last, keepdim):
+    module = Mean(dim=-1 if last else 0, keepdim=keepdim).eval()
+    inputs = (torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape))),)
+    with collect_decisions() as decisions:
+        program, expected = lower_module_xnnpack(module, inputs, [XnnpackPartitioner()])
+    assert_close(program.run(*inputs), expected, atol=1e-5, rtol=1e-5)
+    applied = [d.applied for d in decisions if d.fold == FOLD]
+    rewritten = (last or len(shape) == 1) and (keepdim or len(shape) > 1)
+    assert applied == [rewritten]
+    assert ("aten.mean.dim" in program.ops_outside()) == (not rewritten)
