@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch.export import ExportedProgram
 
+from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
 from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import XNN_MAX_TENSOR_DIMS
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
@@ -44,7 +45,6 @@ from etfold.exir.passes.node_shapes import rank_of, static_shape
 FOLD = "xnnpack.mean_over_last_dim_as_pooling"
 
 aten = torch.ops.aten
-_FLOATS = frozenset({torch.float32, torch.float16})
 
 
 @dataclass(frozen=True)
@@ -78,13 +78,6 @@ def reduces_last_dim_only(node: torch.fx.Node, rank: int) -> Declined | None:
 def has_no_dtype_override(node: torch.fx.Node) -> Declined | None:
     if node.kwargs.get("dtype") is not None:
         return Declined("mean with an explicit dtype: XNNPACK's pooling has no dtype argument")
-    return None
-
-
-def dtype_compiles(value: torch.Tensor, dtypes: Collection[torch.dtype]) -> Declined | None:
-    if value.dtype not in dtypes:
-        names = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-        return Declined(f"{value.dtype} mean: XNNPACK's mean compiles for {names} here")
     return None
 
 
@@ -130,7 +123,7 @@ def match_mean_over_last_dim(
         lambda: rank_fits(rank, keepdim),  # first: the others assume rank >= 1
         lambda: reduces_last_dim_only(node, rank),
         lambda: has_no_dtype_override(node),
-        lambda: dtype_compiles(source.meta["val"], dtypes),
+        lambda: dtype_taken(source.meta["val"], dtypes, "mean"),
     )
     for check in checks:
         if (declined := check()) is not None:
@@ -164,6 +157,5 @@ def means_over_last_dim_as_pooling(program: ExportedProgram, *, bf16: bool) -> E
     """`program`, or a rewritten copy when some mean over the last dim becomes a pooling.
 
     `bf16`: whether XNNPACK compiles this mean in bf16 for this lowering."""
-    dtypes = _FLOATS | {torch.bfloat16} if bf16 else _FLOATS
-    match = functools.partial(match_mean_over_last_dim, dtypes=dtypes)
+    match = functools.partial(match_mean_over_last_dim, dtypes=delegated_floats(bf16))
     return rewrite_matches_on_a_copy(program, match, rewrite_as_pooling, FOLD)

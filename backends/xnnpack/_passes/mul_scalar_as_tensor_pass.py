@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch.export import ExportedProgram
 
+from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
 from etfold.backends.xnnpack.partition.weight_fold import carry_placeholder_marks
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
@@ -49,7 +50,6 @@ from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 FOLD = "xnnpack.mul_scalar_as_tensor"
 
 aten = torch.ops.aten
-_FLOATS = frozenset({torch.float32, torch.float16})
 # measured on torch 2.13: their decomposition scales q and k with mul.Scalar
 DECOMPOSE_INTO_MUL_SCALAR = frozenset(
     {
@@ -62,13 +62,6 @@ DECOMPOSE_INTO_MUL_SCALAR = frozenset(
 @dataclass(frozen=True)
 class MulScalarAsTensor:
     node: torch.fx.Node
-
-
-def dtype_delegated(value: torch.Tensor, dtypes: Collection[torch.dtype]) -> Declined | None:
-    if value.dtype not in dtypes:
-        names = "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-        return Declined(f"{value.dtype} multiply: XNNPACK multiplies {names} here")
-    return None
 
 
 def plain_number(scalar: object) -> Declined | None:
@@ -99,7 +92,7 @@ def match_mul_scalar(
     if not isinstance(value, torch.Tensor):
         return Declined("no tensor metadata on the multiplied input")
     scalar = node.args[1]
-    for declined in (dtype_delegated(value, dtypes), plain_number(scalar)):
+    for declined in (dtype_taken(value, dtypes, "multiply"), plain_number(scalar)):
         if declined is not None:
             return declined
     declined = rounds_as_eager(scalar, value.dtype)
@@ -130,8 +123,7 @@ def mul_scalars_as_tensors(
     makes the mul.Scalar) when some mul.Scalar becomes mul.Tensor.
 
     `bf16`: whether XNNPACK takes a bf16 multiply in this lowering."""
-    dtypes = _FLOATS | {torch.bfloat16} if bf16 else _FLOATS
-    match = functools.partial(match_mul_scalar, dtypes=dtypes)
+    match = functools.partial(match_mul_scalar, dtypes=delegated_floats(bf16))
     candidate = _decomposed_first(program, decomposition_table)
     rewritten = rewrite_matches_on_a_copy(candidate, match, rewrite_as_mul_tensor, FOLD)
     return program if rewritten is candidate else rewritten

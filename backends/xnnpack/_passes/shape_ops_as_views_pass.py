@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch.export import ExportedProgram
 
+from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
 from etfold.decisions import Declined
 from etfold.exir.passes.graph_walk import op_qualified_name, written_arguments
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
@@ -48,7 +49,6 @@ XNN_MAX_TENSOR_DIMS = 6
 aten = torch.ops.aten
 _SQUEEZES = frozenset({aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default})
 _SHAPE_OPS = _SQUEEZES | {aten.unsqueeze.default}
-_FLOATS = frozenset({torch.float32, torch.float16})
 # ATen ops that reach a delegated edge op under another name after decomposition
 _DECOMPOSES_TO_DELEGATED = frozenset(
     {
@@ -136,8 +136,8 @@ def match_shape_op(
         return Declined("no tensor metadata on the op or its input")
     if is_upstream_delegated(node):
         return None
-    if value.dtype not in dtypes:
-        return Declined(f"{value.dtype} tensor: XNNPACK reshapes {_names(dtypes)} tensors here")
+    if (declined := dtype_taken(value, dtypes, "tensor")) is not None:
+        return declined
     ranks = (source.meta["val"].dim(), value.dim())
     if max(ranks) > XNN_MAX_TENSOR_DIMS or min(ranks) == 0:
         return Declined(
@@ -149,10 +149,6 @@ def match_shape_op(
         return Declined("no op beside it goes to XNNPACK: a delegate holding only a reshape")
     shape = view_shape(value)
     return shape if isinstance(shape, Declined) else ShapeOpAsView(node, shape)
-
-
-def _names(dtypes: Collection[torch.dtype]) -> str:
-    return "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
 
 
 def rewrite_as_view(match: ShapeOpAsView) -> None:
@@ -168,6 +164,5 @@ def shape_ops_as_views(
     program: ExportedProgram, delegated: frozenset[str], *, bf16: bool
 ) -> ExportedProgram:
     """`program`, or a rewritten copy when some squeeze or unsqueeze becomes a view."""
-    dtypes = _FLOATS | {torch.bfloat16} if bf16 else _FLOATS
-    match = functools.partial(match_shape_op, delegated=delegated, dtypes=dtypes)
+    match = functools.partial(match_shape_op, delegated=delegated, dtypes=delegated_floats(bf16))
     return rewrite_matches_on_a_copy(program, match, rewrite_as_view, FOLD)
