@@ -12,9 +12,10 @@
   for a developer hunting new ones; the long fuzz profile is `make fuzz`.
 - `ETFOLD_TEST_SHUFFLE=SEED` runs the collected tests in an order shuffled by
   SEED, the check that no test leans on another having run first (CONTRIBUTING).
-- Every test runs inside `one_composite_op_lookup_per_walk()`: torch decomposes
-  exactly as it would, without repeating one lookup per op namespace, which is
-  a fifth of each small lowering (stock and etfold alike).
+- Every test runs inside `torch_speedups()`, as etfold's entry point does: torch
+  lowers exactly as it would, without repeating one lookup per op namespace and
+  without deep-copying every node's provenance chain on every pass (a fifth of
+  each small lowering and a third of a decoder's, stock and etfold alike).
 """
 
 import os
@@ -23,7 +24,7 @@ import random
 import pytest
 from hypothesis import settings
 
-from etfold.exir.program.composite_op_lookup import one_composite_op_lookup_per_walk
+from etfold.exir.program.lower import torch_speedups
 
 settings.register_profile("suite", derandomize=True, database=None, deadline=None)
 settings.register_profile("explore", database=None, deadline=None)
@@ -37,6 +38,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _one_composite_op_lookup_per_walk():
-    with one_composite_op_lookup_per_walk():
+def _torch_speedups():
+    with torch_speedups():
         yield

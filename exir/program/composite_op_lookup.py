@@ -23,15 +23,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import threading
+
+from etfold.exir.program.reentrant_patch import ReentrantPatch
 
 _COLLECTOR = "_collect_all_valid_cia_ops"
 _LOOKUP = "_materialize_cpp_cia_ops"
 _DEFINED_IN = "torch._export.utils"
 _BOUND_IN = ("torch._export.utils", "torch.export.exported_program", "torch.export.decomp_utils")
 
-_lock = threading.RLock()
-_depth = 0
 _saved: dict[tuple[str, str], object] = {}
 
 
@@ -83,18 +82,9 @@ def _uninstall() -> None:
     _saved.clear()
 
 
-@contextlib.contextmanager
-def one_composite_op_lookup_per_walk():
+_PATCH = ReentrantPatch(_install, _uninstall)
+
+
+def one_composite_op_lookup_per_walk() -> contextlib.AbstractContextManager[None]:
     """While entered (re-entrantly, from any thread), torch's CIA walk looks ops up once."""
-    global _depth
-    with _lock:
-        if _depth == 0:
-            _install()
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                _uninstall()
+    return _PATCH.scope()

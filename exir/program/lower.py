@@ -15,13 +15,13 @@ see one method, know what the other methods do; a partitioner lowered through
 upstream's entry point computes the same marks itself. The scopes backends
 register (`lowering_scopes`) are entered around the call, so whatever a
 backend installed into upstream for it is gone when it returns or raises, and
-torch's decompositions look composite ops up once per walk
-(`composite_op_lookup`). The returned manager checks the external constant map
+torch does less work for the same result (`torch_speedups`). The returned manager checks the external constant map
 at `to_executorch()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 from executorch.exir import EdgeProgramManager
@@ -37,6 +37,7 @@ from etfold.exir.program.method_marks import (
     mark_constants_shared_across_methods,
     mark_methods,
 )
+from etfold.exir.program.shared_provenance import shared_provenance_chains
 from etfold.exir.program.working_copy import copy_for_rewrite
 
 # Applied in order to the method -> ATen program dict before upstream runs.
@@ -44,6 +45,16 @@ MARKING_STEPS: tuple[MarkingStep, ...] = (
     mark_constants_shared_across_methods,
     mark_buffer_fold_blockers,
 )
+
+
+@contextlib.contextmanager
+def torch_speedups():
+    """Torch's own lowering work, minus repeats: one composite-op lookup per walk, shared provenance.
+
+    Programs come out byte-identical; torch is as it was once the scope exits.
+    """
+    with one_composite_op_lookup_per_walk(), shared_provenance_chains():
+        yield
 
 
 def mark_for_lowering(programs: Mapping[str, ExportedProgram]) -> None:
@@ -94,7 +105,7 @@ def to_edge_transform_and_lower(
         for method, program in by_method.items()
     }
     mark_for_lowering(copies)
-    with lowering_scopes(), one_composite_op_lookup_per_walk():
+    with lowering_scopes(), torch_speedups():
         manager = _upstream_to_edge_transform_and_lower(
             copies if isinstance(programs, dict) else copies["forward"],
             transform_passes=transform_passes,

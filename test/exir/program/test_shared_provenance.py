@@ -1,0 +1,117 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Shared provenance chains lower to the same bytes and the same provenance, and leave torch as it was.
+
+The suite runs inside the scope (test/conftest.py), so what torch does outside
+it is checked in a fresh interpreter.
+"""
+
+import copy
+import subprocess
+import sys
+import textwrap
+
+import torch
+from torch.fx import traceback as fx_traceback
+
+from etfold.exir.program.reentrant_patch import ReentrantPatch
+from etfold.exir.program.shared_provenance import shared_provenance_chains
+
+
+def _chain(length: int) -> list:
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    for step in range(length):
+        node.meta["from_node"] = [fx_traceback.NodeSource(node, f"pass_{step}")]
+    return node.meta["from_node"]
+
+
+def test_a_chain_copied_inside_the_scope_is_a_new_list_equal_to_torchs_deep_copy():
+    chain = _chain(4)
+    torchs = copy.deepcopy(chain)
+    with shared_provenance_chains():
+        shared = fx_traceback.copy.deepcopy(chain)
+        other = fx_traceback.copy.deepcopy({"nested": [[1], [2]]})
+    assert shared is not chain and shared == chain == torchs
+    assert [link.to_dict() for link in shared] == [link.to_dict() for link in torchs]
+    assert other == {"nested": [[1], [2]]}
+    assert other["nested"][0] is not fx_traceback.copy.deepcopy(other)["nested"][0]
+
+
+def test_a_reentrant_patch_installs_once_and_undoes_on_the_last_exit():
+    calls = []
+    patch = ReentrantPatch(lambda: calls.append("install"), lambda: calls.append("uninstall"))
+    with patch.scope():
+        with patch.scope():
+            assert calls == ["install"]
+        assert calls == ["install"]
+    assert calls == ["install", "uninstall"]
+    try:
+        with patch.scope():
+            raise RuntimeError("lowering failed")
+    except RuntimeError:
+        pass
+    assert calls == ["install", "uninstall", "install", "uninstall"]
+
+
+_FRESH_INTERPRETER = textwrap.dedent(
+    """
+    import copy
+    import torch
+    from torch.fx import traceback as fx_traceback
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from etfold.exir.program.shared_provenance import shared_provenance_chains
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+            self.linear = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.linear(self.conv(x).relu().mean((2, 3))) * 0.5
+
+    torch.manual_seed(0)
+    program = torch.export.export(Block().eval(), (torch.randn(1, 3, 8, 8),))
+
+    def without_graph_ids(link):
+        # A link names its graph by id(), which differs between any two lowerings.
+        return {
+            key: [without_graph_ids(l) for l in value] if key == "from_node" else value
+            for key, value in link.items()
+            if key != "graph_id"
+        }
+
+    def lowered():
+        edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+        provenance = [
+            [without_graph_ids(link.to_dict()) for link in node.meta.get("from_node", [])]
+            for node in edge.exported_program().graph.nodes
+        ]
+        return edge.to_executorch().buffer, provenance
+
+    torchs = lowered()
+    with shared_provenance_chains():
+        with shared_provenance_chains():
+            assert fx_traceback.copy is not copy
+        ours = lowered()
+    assert fx_traceback.copy is copy, "torch not restored"
+    assert ours[0] == torchs[0], "program bytes differ"
+    assert ours[1] == torchs[1], "provenance differs"
+    assert any(len(chain) for chain in ours[1])
+    print("ok")
+    """
+)
+
+
+def test_lowering_inside_the_scope_gives_torchs_bytes_and_provenance_and_restores_torch():
+    result = subprocess.run(
+        [sys.executable, "-c", _FRESH_INTERPRETER], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
