@@ -37,6 +37,7 @@ from etfold.exir.program.method_marks import (
     mark_constants_shared_across_methods,
     mark_methods,
 )
+from etfold.exir.program.py_kernel_closures import one_py_kernel_closure_per_key
 from etfold.exir.program.shared_provenance import shared_provenance_chains
 from etfold.exir.program.working_copy import copy_for_rewrite
 
@@ -49,11 +50,16 @@ MARKING_STEPS: tuple[MarkingStep, ...] = (
 
 @contextlib.contextmanager
 def torch_speedups():
-    """Torch's own lowering work, minus repeats: one composite-op lookup per walk, shared provenance.
+    """Torch's own lowering work, minus repeats: one composite-op lookup per walk, one kernel
+    registration closure per op and key, provenance chains shared instead of deep-copied.
 
     Programs come out byte-identical; torch is as it was once the scope exits.
     """
-    with one_composite_op_lookup_per_walk(), shared_provenance_chains():
+    with (
+        one_composite_op_lookup_per_walk(),
+        one_py_kernel_closure_per_key(),
+        shared_provenance_chains(),
+    ):
         yield
 
 

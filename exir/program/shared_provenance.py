@@ -46,9 +46,8 @@ def _copy_sharing_provenance(torch_copy: types.ModuleType) -> types.ModuleType:
 
 
 def _written_against() -> bool:
-    return (
-        getattr(fx_traceback, "copy", None) is copy
-        and isinstance(getattr(fx_traceback, "NodeSource", None), type)
+    return getattr(fx_traceback, "copy", None) is copy and isinstance(
+        getattr(fx_traceback, "NodeSource", None), type
     )
 
 

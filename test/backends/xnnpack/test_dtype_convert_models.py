@@ -122,10 +122,12 @@ def test_tiny_decoder_matches_eager_in_its_own_dtype(name, dtype):
     assert torch.equal(actual.argmax(-1), expected.argmax(-1))
     scale = float(expected.float().abs().max())
     tolerance = (2.0**-5 if dtype == torch.bfloat16 else 2.0**-8) * scale
-    # XNNPACK's own half-precision GEMMs round differently from eager: never worse than stock's
-    stock, _ = lower_module_xnnpack(module, (ids,), [UpstreamXnnpackPartitioner(enable_bf16=True)])
-    stock_error = max_abs_error(stock.run(ids), [expected])
-    assert max_abs_error([actual], [expected]) <= max(tolerance, stock_error)
+    error = max_abs_error([actual], [expected])
+    if error > tolerance:  # XNNPACK's half-precision GEMMs round unlike eager: no worse than stock
+        stock, _ = lower_module_xnnpack(
+            module, (ids,), [UpstreamXnnpackPartitioner(enable_bf16=True)]
+        )
+        assert error <= max_abs_error(stock.run(ids), [expected])
 
 
 class ConstantAndActivationInOneDelegate(torch.nn.Module):

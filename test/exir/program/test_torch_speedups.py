@@ -4,7 +4,7 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""Shared provenance chains lower to the same bytes and the same provenance, and leave torch as it was.
+"""Torch's lowering, minus repeats: the same bytes and provenance, and torch left as it was.
 
 The suite runs inside the scope (test/conftest.py), so what torch does outside
 it is checked in a fresh interpreter.
@@ -15,9 +15,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from torch.fx import traceback as fx_traceback
 
+from etfold.exir.program.py_kernel_closures import one_py_kernel_closure_per_key
 from etfold.exir.program.reentrant_patch import ReentrantPatch
 from etfold.exir.program.shared_provenance import shared_provenance_chains
 
@@ -40,6 +42,24 @@ def test_a_chain_copied_inside_the_scope_is_a_new_list_equal_to_torchs_deep_copy
     assert [link.to_dict() for link in shared] == [link.to_dict() for link in torchs]
     assert other == {"nested": [[1], [2]]}
     assert other["nested"][0] is not fx_traceback.copy.deepcopy(other)["nested"][0]
+
+
+def test_a_kernel_closure_is_made_once_per_op_and_key_and_registers_as_torchs_does():
+    library = torch.library.Library("etfold_py_impl_probe", "DEF")
+    try:
+        library.define("twice(Tensor x) -> Tensor")
+        op = torch.ops.etfold_py_impl_probe.twice.default
+        key = torch._C.DispatchKey.CompositeExplicitAutograd
+        with one_py_kernel_closure_per_key():
+            register = op.py_impl(key)
+            assert op.py_impl(key) is register
+            assert op.py_impl(torch._C.DispatchKey.CPU) is not register
+            kernel = register(lambda x: x + x)
+            assert op.py_kernels[key] is kernel
+            with pytest.raises(RuntimeError, match="override a python impl"):
+                op.py_impl(key)(lambda x: x)
+    finally:
+        library._destroy()
 
 
 def test_a_reentrant_patch_installs_once_and_undoes_on_the_last_exit():
@@ -65,7 +85,8 @@ _FRESH_INTERPRETER = textwrap.dedent(
     from torch.fx import traceback as fx_traceback
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
-    from etfold.exir.program.shared_provenance import shared_provenance_chains
+    from torch._ops import OperatorBase
+    from etfold.exir.program.lower import torch_speedups
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -95,12 +116,16 @@ _FRESH_INTERPRETER = textwrap.dedent(
         ]
         return edge.to_executorch().buffer, provenance
 
+    def patched():
+        return fx_traceback.copy, OperatorBase.py_impl
+
+    torchs_own = patched()
     torchs = lowered()
-    with shared_provenance_chains():
-        with shared_provenance_chains():
-            assert fx_traceback.copy is not copy
+    with torch_speedups():
+        with torch_speedups():
+            assert all(a is not b for a, b in zip(patched(), torchs_own))
         ours = lowered()
-    assert fx_traceback.copy is copy, "torch not restored"
+    assert all(a is b for a, b in zip(patched(), torchs_own)), "torch not restored"
     assert ours[0] == torchs[0], "program bytes differ"
     assert ours[1] == torchs[1], "provenance differs"
     assert any(len(chain) for chain in ours[1])
@@ -109,7 +134,7 @@ _FRESH_INTERPRETER = textwrap.dedent(
 )
 
 
-def test_lowering_inside_the_scope_gives_torchs_bytes_and_provenance_and_restores_torch():
+def test_lowering_inside_the_speedups_gives_torchs_bytes_and_provenance_and_restores_torch():
     result = subprocess.run(
         [sys.executable, "-c", _FRESH_INTERPRETER], capture_output=True, text=True, timeout=600
     )
