@@ -216,12 +216,15 @@ def test_declines_when_the_layer_is_left_unquantized_conv_transpose1d():
 
 @functools.cache
 def _lowered(which: str, how: str):
+    """The block lowered (the built module itself, not a copy), its decisions, and the
+    module with its state from before the lowering, for the user-module check."""
     build, calibration = {"convnext": CONVNEXT, "vit": VIT}[which]
     module, inputs = build()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
     context = arm_folds_registered if how == "etfold" else upstream_folds_retired
     with context(), collect_decisions() as journal:
-        program, _ = lower_module_tosa(copy.deepcopy(module), inputs, calibration=calibration())
-    return program, tuple(journal)
+        program, _ = lower_module_tosa(module, inputs, calibration=calibration())
+    return program, tuple(journal), module, before
 
 
 # applied folds per block: LayerScale into fc2 (and the attention projection);
@@ -236,8 +239,8 @@ _APPLIED = {
 def test_layer_scale_blocks_lose_their_multiplies_within_one_lsb_of_unfolded(which):
     build, _ = {"convnext": CONVNEXT, "vit": VIT}[which]
     module, inputs = build()
-    folded, journal = _lowered(which, "etfold")
-    unfolded, _ = _lowered(which, "unfolded")
+    folded, journal, _, _ = _lowered(which, "etfold")
+    unfolded, *_ = _lowered(which, "unfolded")
     applied = {}
     for decision in journal:
         applied[decision.fold] = applied.get(decision.fold, 0) + decision.applied
@@ -253,10 +256,8 @@ def test_layer_scale_blocks_lose_their_multiplies_within_one_lsb_of_unfolded(whi
 
 
 def test_user_module_is_untouched():
-    module, inputs = VIT[0]()
-    before = {k: v.clone() for k, v in module.state_dict().items()}
-    with arm_folds_registered():
-        lower_module_tosa(module, inputs, calibration=VIT[1]())
+    *_, module, before = _lowered("vit", "etfold")  # lowered with the folds registered
+    assert module.state_dict().keys() == before.keys()
     for name, value in module.state_dict().items():
         assert torch.equal(value, before[name]), name
 
@@ -277,13 +278,24 @@ class ConvThenDyTAlpha(torch.nn.Module):
         return torch.tanh(self.alpha * self.conv(x).permute(0, 2, 3, 1))
 
 
-@pytest.mark.parametrize("alpha", [0.5, 1.7])
-def test_dyt_alpha_after_a_conv_folds_into_the_conv_leaving_the_tanh_table(alpha):
+class Alphas(torch.nn.Module):
+    """One `ConvThenDyTAlpha` site per alpha, all reading the same input."""
+
+    def __init__(self, alphas):
+        super().__init__()
+        self.sites = torch.nn.ModuleList(ConvThenDyTAlpha(alpha) for alpha in alphas)
+
+    def forward(self, x):
+        return tuple(site(x) for site in self.sites)
+
+
+def test_dyt_alpha_after_a_conv_folds_into_the_conv_leaving_the_tanh_table():
     """Where upstream's alpha-into-TABLE fold would take alpha, etfold's scalar-mul fold
     takes it first (into the conv weight, before calibration): the same TOSA ops as
-    alpha in the TABLE (one conv, one TABLE, no MUL) and the unfolded lowering's codes."""
+    alpha in the TABLE (one conv, one TABLE, no MUL per site) and the unfolded
+    lowering's codes, for alpha 0.5 and 1.7 (two sites of one program)."""
     torch.manual_seed(0)
-    module = ConvThenDyTAlpha(alpha).eval()
+    module = Alphas([0.5, 1.7]).eval()
     generator = torch.Generator().manual_seed(1)
     calibration = [(torch.randn(1, 3, 6, 6, generator=generator),) for _ in range(3)]
     with arm_folds_registered(), collect_decisions() as journal:
@@ -294,13 +306,15 @@ def test_dyt_alpha_after_a_conv_folds_into_the_conv_leaving_the_tanh_table(alpha
         unfolded, _ = lower_module_tosa(
             copy.deepcopy(module), calibration[0], calibration=calibration
         )
-    assert [(d.fold, d.applied) for d in journal] == [(fold.FOLD, True)]
+    assert [(d.fold, d.applied) for d in journal] == [(fold.FOLD, True)] * 2
     counts = folded.operator_counts()
-    assert (counts["CONV2D"], counts["TABLE"], counts["MUL"]) == (1, 1, 0)
-    assert unfolded.operator_counts()["MUL"] == 1
+    assert (counts["CONV2D"], counts["TABLE"], counts["MUL"]) == (2, 2, 0)
+    assert unfolded.operator_counts()["MUL"] == 2
     for _ in range(3):
         x = torch.randn(1, 3, 6, 6, generator=generator)
-        assert max_code_difference(folded.run(x), unfolded.run(x)) <= 1
+        folded_run, unfolded_run = folded.run(x), unfolded.run(x)
+        assert len(folded_run.codes) == len(unfolded_run.codes) == 2  # both sites' codes
+        assert max_code_difference(folded_run, unfolded_run) <= 1
 
 
 def test_a_bitcast_view_is_no_layout_op_and_the_scale_stays():
