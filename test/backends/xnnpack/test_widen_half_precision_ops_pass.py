@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 
 import pytest
@@ -105,11 +106,21 @@ ACCURACY_CASES = [
 ]
 
 
+@functools.cache
+def _widened(op: str, dtype: torch.dtype, width: int):
+    """`_case` lowered with etfold, its decisions, and the user's exported program with
+    its code and node metadata from before the lowering."""
+    module, inputs, expected = _case(op, dtype, width)
+    program = torch.export.export(module, inputs)
+    code, nodes = program.graph_module.code, [dict(n.meta) for n in program.graph.nodes]
+    with collect_decisions() as decisions:
+        lowered = lower_xnnpack(program, [XnnpackPartitioner()], lower=to_edge_transform_and_lower)
+    return inputs, expected, lowered, tuple(decisions), (program, code, nodes)
+
+
 @pytest.mark.parametrize("op,dtype,width", ACCURACY_CASES)
 def test_widened_op_on_the_runtime_matches_fp32_eager_within_one_rounding(op, dtype, width):
-    module, inputs, expected = _case(op, dtype, width)
-    with collect_decisions() as decisions:
-        lowered = _lower(module, inputs, XnnpackPartitioner())
+    inputs, expected, lowered, decisions, _ = _widened(op, dtype, width)
     assert [d.where for d in decisions if d.fold == FOLD and d.applied] == [op]
     assert _error(lowered.run(*inputs), expected) <= 1.01 * _ulp_error(expected, dtype)
 
@@ -159,11 +170,9 @@ def test_the_graph_computes_the_op_in_fp32_between_two_converts(op):
 
 @pytest.mark.parametrize("op", ["gelu", "layer_norm"])
 def test_lowering_leaves_the_users_program_as_it_was(op):
-    module, inputs, _ = _case(op, torch.float16, 256)
-    program = torch.export.export(module, inputs)
-    code, nodes = program.graph_module.code, [dict(n.meta) for n in program.graph.nodes]
-    with collect_decisions() as decisions:
-        to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+    # the accuracy test's lowering of the op in fp16 (its width does not matter here)
+    (width,) = [w for o, d, w in ACCURACY_CASES if (o, d) == (op, torch.float16)]
+    *_, decisions, (program, code, nodes) = _widened(op, torch.float16, width)
     assert any(d.fold == FOLD and d.applied for d in decisions)
     assert program.graph_module.code == code
     after = [n.meta.get("val") for n in program.graph.nodes]
