@@ -22,12 +22,12 @@ report: $(STAMP)
 	$(VENV)/bin/etfold report
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 2 --dist loadfile
+	$(VENV)/bin/python -m pytest -n 2 --dist loadgroup
 
 # The long profile: the cases `make test` samples (marked `long`: more dtypes, layouts and
 # model pairings of properties the short profile proves once), and the wheel install below.
 test-long: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 2 --dist loadfile -m long
+	$(VENV)/bin/python -m pytest -n 2 --dist loadgroup -m long
 
 # The long profile of the wheel test: install the built wheel into a fresh venv from the
 # configured package indexes (minutes; `make test` checks the wheel's contents and runs it unpacked).

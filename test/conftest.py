@@ -12,6 +12,9 @@
   for a developer hunting new ones; the long fuzz profile is `make fuzz`.
 - `ETFOLD_TEST_SHUFFLE=SEED` runs the collected tests in an order shuffled by
   SEED, the check that no test leans on another having run first (CONTRIBUTING).
+- Under `make test` (`--dist loadgroup`) a file's tests run on one worker, so
+  the lowerings a file caches serve all its tests; files marked with a shared
+  `xdist_group` (those reading `lowered_demo`) run on one worker together.
 - Every test runs inside `torch_speedups()`, as etfold's entry point does: torch
   lowers exactly as it would, without repeating one lookup per op namespace and
   without deep-copying every node's provenance chain on every pass (a fifth of
@@ -31,10 +34,16 @@ settings.register_profile("explore", database=None, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     seed = os.environ.get("ETFOLD_TEST_SHUFFLE")
     if seed:
         random.Random(seed).shuffle(items)
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(
+                pytest.mark.xdist_group(item.path.relative_to(config.rootpath).as_posix())
+            )
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -51,13 +51,20 @@ def ops_outside_delegates(program) -> Counter[str]:
     """call_function targets left at top level, excluding delegate calls and getitem."""
     graph_module = _graph_module(program)
     counts: Counter[str] = Counter()
-    for node in graph_module.graph.nodes:
-        if node.op != "call_function" or node.target is _DELEGATE_CALL:
-            continue
-        if node.target.__name__ == "getitem":
-            continue
+    for node in _outside_delegates(graph_module.graph):
         counts[op_name(node.target)] += 1
     return counts
+
+
+def _outside_delegates(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The graph's call_function nodes that are neither delegate calls nor getitems."""
+    return [
+        node
+        for node in graph.nodes
+        if node.op == "call_function"
+        and node.target is not _DELEGATE_CALL
+        and getattr(node.target, "__name__", "") != "getitem"
+    ]
 
 
 def _tosa_operators(tosa_graph: bytes):
@@ -106,3 +113,18 @@ def tosa_channel_conflicts(tosa_graph: bytes) -> list[str]:
         if given and len(weight) > axis and given[-1] != weight[axis]:
             conflicts.append(f"{kind} reads {given[-1]} input channels, its weight {weight[axis]}")
     return conflicts
+
+
+def ops_outside_reading_no_user_input(program: ExportedProgram) -> list[tuple[str, str]]:
+    """(node name, op) of each op outside delegates that no user input reaches.
+
+    Such an op computes from constants alone at runtime: a fold left it there, or
+    a decline (recorded under the node's name) kept it.
+    """
+    from etfold.backends.xnnpack._passes.dtype_convert_match import reads_user_input
+
+    return [
+        (node.name, op_name(node.target))
+        for node in _outside_delegates(program.graph)
+        if not reads_user_input(node, program)
+    ]

@@ -21,7 +21,11 @@ from executorch.exir import EdgeProgramManager, ExecutorchProgramManager
 from executorch.exir import to_edge_transform_and_lower as upstream_to_edge_transform_and_lower
 from torch.export import ExportedProgram
 
-from etfold.harness.inspection import delegate_count, ops_outside_delegates
+from etfold.harness.inspection import (
+    delegate_count,
+    ops_outside_delegates,
+    ops_outside_reading_no_user_input,
+)
 from etfold.harness.modules import in_eval_mode
 
 Programs = ExportedProgram | Mapping[str, ExportedProgram]
@@ -46,6 +50,9 @@ class XnnpackProgram:
     # read before to_executorch(), which rewrites the edge programs in place (alloc, .out ops)
     _delegates: dict[str, int] = field(default_factory=dict, repr=False)
     _ops_outside: dict[str, Counter[str]] = field(default_factory=dict, repr=False)
+    _constant_work_outside: dict[str, list[tuple[str, str]]] = field(
+        default_factory=dict, repr=False
+    )
 
     def run(self, *inputs: torch.Tensor, method: str = "forward") -> list[torch.Tensor]:
         return list(self._runtime.run_method(method, tuple(inputs)))
@@ -60,6 +67,10 @@ class XnnpackProgram:
     def ops_outside(self, method: str = "forward") -> Counter[str]:
         """Ops left outside delegates in the lowered edge program (before emission)."""
         return Counter(self._ops_outside[method])
+
+    def constant_work_outside(self, method: str = "forward") -> list[tuple[str, str]]:
+        """(node name, op) of the ops outside delegates that no user input reaches."""
+        return list(self._constant_work_outside[method])
 
 
 @dataclass
@@ -106,10 +117,15 @@ def lower_xnnpack(
     methods = edge.methods
     delegates = {m: delegate_count(edge.exported_program(m)) for m in methods}
     ops_outside = {m: ops_outside_delegates(edge.exported_program(m)) for m in methods}
+    constant_work = {
+        m: ops_outside_reading_no_user_input(edge.exported_program(m)) for m in methods
+    }
     executorch = (
         edge.to_executorch(executorch_config) if executorch_config else edge.to_executorch()
     )
-    return XnnpackProgram(edge, executorch, load_program(executorch), delegates, ops_outside)
+    return XnnpackProgram(
+        edge, executorch, load_program(executorch), delegates, ops_outside, constant_work
+    )
 
 
 def export_method(module: torch.nn.Module, method: str, inputs: tuple) -> ExportedProgram:

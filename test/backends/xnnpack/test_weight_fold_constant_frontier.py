@@ -22,7 +22,11 @@ from etfold.backends.xnnpack.partition.weight_fold_promotion import promote_cons
 from etfold.decisions import collect_decisions
 from etfold.exir import to_edge_transform_and_lower as etfold_lower
 from etfold.exir.program.lower import MARKING_STEPS
+from etfold.harness.demo_lowerings import lowered_demo
 from etfold.harness.xnnpack_runner import assert_close, lower_module_xnnpack, max_abs_error
+
+# Shares its decoder lowering with the other readers of `lowered_demo`.
+pytestmark = pytest.mark.xdist_group("demo_lowerings")
 
 CONVERT = "dim_order_ops._to_dim_order_copy"
 
@@ -118,17 +122,15 @@ def test_declines_when_a_runtime_check_reads_the_folded_values():
 
 
 def test_decoder_in_bf16_leaves_no_constant_converts_outside():
-    transformers = pytest.importorskip("transformers")
-    del transformers
-    from etfold.demo_models.mixed_precision_decoders import tiny_llama, token_ids
-
-    ids = token_ids()
+    """The report's Llama row and its fp32 twin (`lowered_demo`, shared with its xdist group)."""
+    pytest.importorskip("transformers")
     counts = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        program, reference, _ = _lower(tiny_llama(dtype), (ids,), enable_bf16=True)
+    for dtype, fp32_twin in ((torch.float32, True), (torch.bfloat16, False)):
+        lowering = lowered_demo("llama_tiny_bf16", fp32_twin)
+        program = lowering.program
         counts[dtype] = (program.delegates(), sum(program.ops_outside().values()))
         assert not [op for op in program.ops_outside() if op.startswith(CONVERT)]
-        outputs = [o.float() for o in program.run(ids)]
-        assert max_abs_error(outputs, [r.float() for r in reference]) <= 2e-2
+        outputs = [o.float() for o in program.run(*lowering.inputs)]
+        assert max_abs_error(outputs, [r.float() for r in lowering.expected]) <= 2e-2
     assert counts[torch.bfloat16][0] <= counts[torch.float32][0]
     assert counts[torch.bfloat16][1] <= counts[torch.float32][1]

@@ -21,7 +21,6 @@ from torch.export.graph_signature import ExportGraphSignature
 
 from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.decisions import Declined, collect_decisions
-from etfold.demo_models.half_precision_regions import tiny_decoder, token_ids
 from etfold.exir import to_edge_transform_and_lower
 from etfold.exir.passes.inline_autocast_regions_pass import (
     FOLD,
@@ -30,7 +29,11 @@ from etfold.exir.passes.inline_autocast_regions_pass import (
     match_inlinable_regions,
 )
 from etfold.exir.program.method_marks import SHARED_ACROSS_METHODS
+from etfold.harness.demo_lowerings import lowered_demo
 from etfold.harness.xnnpack_runner import assert_close, lower_module_xnnpack
+
+# Shares its decoder lowerings with the other readers of `lowered_demo`.
+pytestmark = pytest.mark.xdist_group("demo_lowerings")
 
 aten = torch.ops.aten
 GEMMS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default")
@@ -119,19 +122,15 @@ def test_autocast_mlp_lowers_to_one_delegate_and_matches_eager():
     assert_close(lowered.run(*inputs), expected, atol=2e-2, rtol=2e-2)
 
 
-def _lower_decoder(cast: str, partitioner, lower=to_edge_transform_and_lower):
-    ids = token_ids()
-    return lower_module_xnnpack(tiny_decoder(cast), (ids,), [partitioner], lower=lower), ids
-
-
 @pytest.fixture(scope="module")
 def decoders():
-    return {cast: _lower_decoder(cast, XnnpackPartitioner()) for cast in ("autocast", "explicit")}
+    """The report's two decoder rows, lowered once for every test of their xdist group."""
+    return {cast: lowered_demo(f"decoder_{cast}_bf16") for cast in ("autocast", "explicit")}
 
 
 def test_the_autocast_decoder_lowers_like_its_explicitly_cast_twin(decoders):
-    (autocast, _), _ = decoders["autocast"]
-    (explicit, _), _ = decoders["explicit"]
+    autocast = decoders["autocast"].program
+    explicit = decoders["explicit"].program
     assert autocast.delegates() == explicit.delegates()
     assert not any(autocast.ops_outside()[op] for op in GEMMS)
     assert sum(autocast.ops_outside().values()) <= sum(explicit.ops_outside().values()) + 1
@@ -139,8 +138,8 @@ def test_the_autocast_decoder_lowers_like_its_explicitly_cast_twin(decoders):
 
 @pytest.mark.parametrize("cast", ["autocast", "explicit"])
 def test_decoders_match_eager_on_the_runtime(decoders, cast):
-    (lowered, expected), ids = decoders[cast]
-    assert_close(lowered.run(ids), expected, atol=5e-2, rtol=2e-2)
+    lowering = decoders[cast]
+    assert_close(lowering.program.run(*lowering.inputs), lowering.expected, atol=5e-2, rtol=2e-2)
 
 
 def test_stock_leaves_the_autocast_gemms_on_portable():
