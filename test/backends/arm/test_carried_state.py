@@ -369,9 +369,9 @@ class StateTimesScale(torch.nn.Module):
         return y
 
 
-def _rolled(model, steps, context, folds=True):
-    """The lowered program's outputs over `steps` from its zero state, its output
-    scale and this fold's decisions."""
+def _rolled(model, steps, context, folds=True, run=True):
+    """The lowered program's outputs over `steps` from its zero state (None without
+    `run`: `steps` then only quantize), its output scale and this fold's decisions."""
     from etfold.backends.arm import arm_folds_registered
     from etfold.backends.arm.registration import upstream_folds_retired
     from etfold.decisions import collect_decisions
@@ -380,7 +380,7 @@ def _rolled(model, steps, context, folds=True):
     registration = arm_folds_registered if folds else upstream_folds_retired
     with context(), registration(), collect_decisions() as journal:
         program, _ = lower_module_tosa(copy.deepcopy(model), steps[0], INT, calibration=steps[1:4])
-    outputs = [r.outputs[0] for r in run_carried(program, steps)]
+    outputs = [r.outputs[0] for r in run_carried(program, steps)] if run else None
     return outputs, output_scales(program)[0], [d for d in journal if d.fold == fold.FOLD]
 
 
@@ -407,7 +407,7 @@ def test_power_of_two_opt_in_folds_into_carried_state_without_drift():
     error = [float((a - e).abs().mean()) for a, e in zip(folded, expected, strict=True)]
     unfolded_error = [float((a - e).abs().mean()) for a, e in zip(unfolded, expected, strict=True)]
     assert sum(error) <= sum(unfolded_error) * (1 + 1e-3)
-    _, _, default = _rolled(model, steps[:4], contextlib.nullcontext)
+    _, _, default = _rolled(model, steps[:4], contextlib.nullcontext, run=False)
     assert [d.detail for d in default] == [fold.CARRIED_STATE]
 
 
@@ -419,7 +419,7 @@ def test_power_of_two_opt_in_declines_any_other_scale_at_carried_state(scale):
     torch.manual_seed(0)
     steps = [(torch.randn(1, 4, 6, 6),) for _ in range(4)]
     _, _, decisions = _rolled(
-        StateTimesScale(scale).eval(), steps, power_of_two_scales_fold_into_carried_state
+        StateTimesScale(scale).eval(), steps, power_of_two_scales_fold_into_carried_state, run=False
     )
     assert [d.detail for d in decisions] == [fold.CARRIED_STATE_NOT_POWER_OF_TWO]
 
