@@ -44,6 +44,13 @@ class Sites(torch.nn.Module):
         return tuple(site(x) for site in self.sites)
 
 
+class FlatSites(Sites):
+    """`Sites` whose sites return tuples: their outputs flattened into one tuple."""
+
+    def forward(self, x):
+        return tuple(output for site in self.sites for output in site(x))
+
+
 def _matrix_sites(nhwc):
     sites = []
     for index, conv in enumerate(CONVS.values()):
@@ -263,9 +270,9 @@ def test_declines_when_layout_provenance_is_ambiguous():
 class SharedPermute(torch.nn.Module):
     """The conv's layout permute is also a model output; gamma/beta as given."""
 
-    def __init__(self, gamma=(2.0, 2.0, 0.0, 2.0), beta=(0.0, 0.0, 0.7, 0.0), padding=0):
+    def __init__(self, gamma=(2.0, 2.0, 0.0, 2.0), beta=(0.0, 0.0, 0.7, 0.0), padding=0, alpha=0.5):
         super().__init__()
-        self.dyt = DyT(4, nhwc=True)
+        self.dyt = DyT(4, nhwc=True, alpha=alpha)
         with torch.no_grad():
             self.dyt.gamma.copy_(torch.tensor(gamma))
             self.dyt.beta.copy_(torch.tensor(beta))
@@ -281,15 +288,23 @@ def test_declines_when_conv_input_layout_is_shared():
     assert "conv input is shared" in _probe("shared_permute")
 
 
-@pytest.mark.parametrize("padding", [0, 1], ids=["unpadded", "padded"])
-def test_identity_gamma_goes_even_where_the_layout_permute_is_shared(padding):
-    """Removing an identity prefix leaves the layout alone, so a shared permute is no obstacle."""
+def test_identity_gamma_goes_even_where_the_layout_permute_is_shared():
+    """Removing an identity prefix leaves the layout alone, so a shared permute is no
+    obstacle: an unpadded and a padded conv, two sites of one program."""
     torch.manual_seed(0)
-    module = SharedPermute(gamma=(1.0,) * 4, beta=(0.1, -0.3, 0.2, 0.05), padding=padding)
+    identity = dict(gamma=(1.0,) * 4, beta=(0.1, -0.3, 0.2, 0.05))
+    module = FlatSites(
+        [
+            SharedPermute(**identity, padding=0, alpha=0.5),
+            SharedPermute(**identity, padding=1, alpha=0.6),
+        ]
+    )
     before, after, affine = _lower_both(module, _inputs())
-    assert [d.applied for d in affine] == [True]
-    assert "removed the identity gamma, kept beta (the conv input is shared" in affine[0].detail
-    assert (before["MUL"] - after["MUL"], before["ADD"] - after["ADD"]) == (2, 0)  # alpha, gamma
+    assert [d.applied for d in affine] == [True, True]
+    for decision in affine:
+        assert "removed the identity gamma, kept beta (the conv input is shared" in decision.detail
+    # per site: alpha, gamma
+    assert (before["MUL"] - after["MUL"], before["ADD"] - after["ADD"]) == (4, 0)
 
 
 def test_declines_when_table_zero_point_mismatches_chain():
@@ -458,29 +473,39 @@ def _token_inputs(seed=5, count=3):
     return [(2 * torch.randn(1, 5, 4, generator=generator),) for _ in range(count)]
 
 
-def test_gamma_beta_fold_into_a_following_linear_through_its_views_bit_identically():
+@functools.cache
+def _linear_sites():
+    """Four DyT -> Linear sites of one program, lowered unfolded and folded (codes equal)."""
     torch.manual_seed(0)
     sites = [
         DyTLinear(**EXACT, alpha=0.5),  # exactly affine: weight and bias change
         DyTLinear([1.0] * 4, [0.0] * 4, alpha=0.6),  # identity: the chain goes
         DyTLinear([0.7, 1.3, -0.6, 1.1], [0.2, -0.1, 0.3, 0.0], alpha=0.7),  # not affine
+        DyTLinear(**EXACT, alpha=0.8, flatten=True),  # the view merges the channel axis
     ]
     module = Sites(sites)
     user_state = copy.deepcopy(module.state_dict())
     before, after, affine = _lower_both(module, _token_inputs())
+    return module, user_state, before, after, tuple(affine)
+
+
+def test_gamma_beta_fold_into_a_following_linear_through_its_views_bit_identically():
+    module, user_state, before, after, affine = _linear_sites()
     assert all(torch.equal(v, module.state_dict()[k]) for k, v in user_state.items())
-    exact, identity, random = affine
+    exact, identity, random, merged = affine
     assert exact.applied and "slopes [0, 1], 1 channels with an offset" in exact.detail
     assert (
         identity.applied and identity.detail == "removed gamma/beta: their codes equal the TABLE's"
     )
     assert not random.applied and "not exactly affine" in random.detail
-    # alphas: -3 MUL; exact and identity: -2 MUL -2 ADD
-    assert (before["MUL"] - after["MUL"], before["ADD"] - after["ADD"]) == (5, 2)
+    assert not merged.applied  # the next test reads its reason
+    # alphas: -4 MUL; exact and identity: -2 MUL -2 ADD; the merging site keeps its own
+    assert (before["MUL"] - after["MUL"], before["ADD"] - after["ADD"]) == (6, 2)
 
 
 def test_declines_when_a_view_merges_the_channel_axis():
-    torch.manual_seed(0)
-    _, _, affine = _lower_both(DyTLinear(**EXACT, flatten=True), _token_inputs())
-    assert [d.applied for d in affine] == [False]
-    assert "splits or merges its channel axis" in affine[0].detail
+    *_, affine = _linear_sites()
+    assert len(affine) == 4  # one decision per site; the fourth site flattens the tokens
+    merged = affine[3]
+    assert not merged.applied
+    assert "splits or merges its channel axis" in merged.detail
