@@ -9,10 +9,10 @@
 Each op left outside a delegate either computes from a user input (directly or
 through other ops, delegates included), so no fold could remove it, or is named
 in a decline recorded during the lowering (a budget, or a reason). Every model
-`etfold report --backend xnnpack` lowers is checked (its fp32 twins in `make
-test-long`), each lowered once through etfold's entry point and partitioner, as
-the report does (`lowered_demo`, whose lowering other tests of the same xdist
-group read too).
+`etfold report --backend xnnpack` lowers is checked (its fp32 twins, and each
+decoder's second half-precision dtype, in `make test-long`), each lowered once
+through etfold's entry point and partitioner, as the report does
+(`lowered_demo`, whose lowering other tests of the same xdist group read too).
 """
 
 from __future__ import annotations
@@ -32,6 +32,11 @@ def _same_build(build) -> tuple:
     return code.co_code, code.co_consts, code.co_names, captured
 
 
+# Each decoder in one half-precision dtype in `make test` (the ones other tests of the
+# group read too); its other dtype in `make test-long`.
+LONG_ROWS = {"gemma3_tiny_bf16", "llama_tiny_fp16"}
+
+
 def _cases() -> list:
     """Every XNNPACK report row, and each distinct fp32 twin the report lowers beside them."""
     entries = [e for e in catalogue() if e.backend == "xnnpack"]
@@ -39,7 +44,8 @@ def _cases() -> list:
     for entry, model in zip(entries, load(entries), strict=True):
         missing = entry.missing()
         marks = [pytest.mark.skip(reason=f"needs {', '.join(missing)}")] if missing else []
-        cases.append(pytest.param(model.name, False, id=model.name, marks=marks))
+        row_marks = [*marks, pytest.mark.long] if model.name in LONG_ROWS else marks
+        cases.append(pytest.param(model.name, False, id=model.name, marks=row_marks))
         if model.fp32_twin is not None and _same_build(model.fp32_twin) not in twins:
             twins.add(_same_build(model.fp32_twin))
             twin_id = f"{model.name}-fp32_twin"
