@@ -85,6 +85,9 @@ _FRESH_INTERPRETER = textwrap.dedent(
     from torch.fx import traceback as fx_traceback
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
+    import torch._export.utils as export_utils
+    import torch.export.decomp_utils as decomp_utils
+    import torch.export.exported_program as exported_program
     from torch._ops import OperatorBase
     from etfold.exir.program.lower import torch_speedups
 
@@ -117,15 +120,20 @@ _FRESH_INTERPRETER = textwrap.dedent(
         return edge.to_executorch().buffer, provenance
 
     def patched():
-        return fx_traceback.copy, OperatorBase.py_impl
+        collectors = [
+            m._collect_all_valid_cia_ops for m in (export_utils, exported_program, decomp_utils)
+        ]
+        return [fx_traceback.copy, OperatorBase.py_impl, *collectors]
 
     torchs_own = patched()
+    torchs_lookup = export_utils._materialize_cpp_cia_ops
     torchs = lowered()
     with torch_speedups():
         with torch_speedups():
             assert all(a is not b for a, b in zip(patched(), torchs_own))
         ours = lowered()
     assert all(a is b for a, b in zip(patched(), torchs_own)), "torch not restored"
+    assert export_utils._materialize_cpp_cia_ops is torchs_lookup, "torch not restored"
     assert ours[0] == torchs[0], "program bytes differ"
     assert ours[1] == torchs[1], "provenance differs"
     assert any(len(chain) for chain in ours[1])
