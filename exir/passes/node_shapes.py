@@ -24,8 +24,13 @@ def _fake_tensor(node: object) -> torch.Tensor | None:
 
 def static_shape(node: object) -> tuple[int, ...] | None:
     """The node's shape when its value is a tensor of plain-int sizes; else None."""
-    value = _fake_tensor(node)
-    if value is None or not all(type(size) is int for size in value.shape):
+    return static_shape_of_value(_fake_tensor(node))
+
+
+def static_shape_of_value(value: object) -> tuple[int, ...] | None:
+    """A (fake) tensor's shape when its sizes are plain ints; else None (one piece of a
+    multi-output node's value, e.g. a split's)."""
+    if not isinstance(value, torch.Tensor) or not all(type(s) is int for s in value.shape):
         return None
     return tuple(value.shape)
 

@@ -43,6 +43,7 @@ from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import (
     delegated_op_names,
     shape_ops_as_views,
 )
+from etfold.backends.xnnpack._passes.split_as_slices_pass import splits_as_slices
 from etfold.backends.xnnpack._passes.widen_half_precision_ops_pass import widen_half_precision_ops
 from etfold.backends.xnnpack.install import DTYPE_CONVERTS_SPEC, hold_for, is_marked
 from etfold.backends.xnnpack.partition.bf16_delegation import (
@@ -111,6 +112,10 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         if not self.per_op_mode and {"mean.dim", "view_copy.default"} <= configs.keys():
             exported_program = means_over_last_dim_as_pooling(
                 exported_program, bf16=bf16 and bf16_setting("mean.dim", user_bf16)
+            )
+        if "slice_copy.Tensor" in configs:
+            exported_program = splits_as_slices(
+                exported_program, bf16=bf16 and bf16_setting("slice_copy.Tensor", user_bf16)
             )
         if "mul.Tensor" in configs:
             exported_program = mul_scalars_as_tensors(

@@ -1,0 +1,138 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Write a split the partitioner refuses as the slices XNNPACK runs.
+
+Given:   parts = split_with_sizes(x, [n0, n1, ...], dim)   (or split, or chunk)
+         y_i = parts[i]
+Result:  y_i = slice(x, dim, s_i, s_i + n_i)               s_i = n0 + ... + n(i-1)
+
+Piece i of a split along `dim` is, element for element, the slice of `x` that
+starts where the pieces before it end and spans its own size: the same values,
+the same shape. ExecuTorch's XNNPACK partitioner has no config for
+`split_with_sizes_copy`, so every split (a fused QKV projection, a gate/up
+pair, a chunked rotary half) stays on portable kernels and cuts the delegate
+in two; upstream delegates a static `slice_copy` with stride 1.
+
+Declines where the slices would not all join a delegate: a split whose pieces
+are used as a list (not each by index), a dynamic or empty piece, a dtype
+XNNPACK does not compile here, a quantized input, or a rank beyond XNNPACK's.
+
+Runs on the ATen program, before decomposition.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+
+from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
+from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import XNN_MAX_TENSOR_DIMS
+from etfold.decisions import Declined, record_applied
+from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_shapes import rank_of, static_shape_of_value
+
+FOLD = "xnnpack.split_as_slices"
+
+aten = torch.ops.aten
+SPLITS = (aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default)
+
+
+@dataclass(frozen=True)
+class SplitAsSlices:
+    node: torch.fx.Node
+    dim: int
+    bounds: tuple[tuple[int, int], ...]  # (start, end) of each piece along `dim`
+
+
+def _dim(node: torch.fx.Node, rank: int) -> int:
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    return dim % rank
+
+
+def piece_bounds(sizes: list[int]) -> tuple[tuple[int, int], ...]:
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    return tuple(zip([0, *ends[:-1]], ends, strict=True))
+
+
+def _pieces_by_index(node: torch.fx.Node) -> Declined | None:
+    if any(user.target is not operator.getitem for user in node.users):
+        return Declined("the pieces are used as a list: only pieces read by index become slices")
+    return None
+
+
+def _quantized_input(source: torch.fx.Node) -> Declined | None:
+    if "dequantize" in str(getattr(source, "target", "")):
+        return Declined("quantized input: the slices would need matching quantization each")
+    return None
+
+
+def _static_piece_sizes(node: torch.fx.Node) -> list[int] | Declined:
+    pieces = node.meta.get("val")
+    if not isinstance(pieces, (list, tuple)) or not pieces:
+        return Declined("no metadata on the split's pieces")
+    shapes = [static_shape_of_value(piece) for piece in pieces]
+    if any(shape is None for shape in shapes):
+        return Declined("dynamic shape: the slice bounds are not known when lowering")
+    dim = _dim(node, len(shapes[0]))
+    sizes = [shape[dim] for shape in shapes]
+    if 0 in sizes or 0 in shapes[0]:
+        return Declined(f"an empty piece (sizes {sizes}): XNNPACK takes no empty tensors")
+    return sizes
+
+
+def match_split_as_slices(
+    node: torch.fx.Node, dtypes: Collection[torch.dtype]
+) -> SplitAsSlices | Declined | None:
+    """The slices `node` becomes, a reason it stays, or None when it is not a split."""
+    if node.op != "call_function" or node.target not in SPLITS:
+        return None
+    source = node.args[0]
+    rank = rank_of(source)
+    if rank is None:
+        return Declined("no tensor metadata on the split's input")
+    if rank > XNN_MAX_TENSOR_DIMS:
+        return Declined(f"rank {rank} input: XNNPACK holds at most {XNN_MAX_TENSOR_DIMS} dims")
+    checks = (
+        lambda: _pieces_by_index(node),
+        lambda: _quantized_input(source),
+        lambda: dtype_taken(source.meta["val"], dtypes, "split"),
+    )
+    for check in checks:
+        if (declined := check()) is not None:
+            return declined
+    sizes = _static_piece_sizes(node)
+    if isinstance(sizes, Declined):
+        return sizes
+    return SplitAsSlices(node, _dim(node, rank), piece_bounds(sizes))
+
+
+def rewrite_as_slices(match: SplitAsSlices) -> None:
+    """Each `parts[i]` becomes a slice of the split's input; the split goes."""
+    node, graph = match.node, match.node.graph
+    source = node.args[0]
+    for piece in list(node.users):
+        start, end = match.bounds[piece.args[1]]
+        with graph.inserting_before(piece):
+            part = graph.call_function(aten.slice.Tensor, (source, match.dim, start, end, 1))
+        part.meta = {**node.meta, "val": piece.meta["val"]}
+        piece.replace_all_uses_with(part)
+        graph.erase_node(piece)
+    graph.erase_node(node)
+    record_applied(FOLD, node.name, f"{len(match.bounds)} pieces along dim {match.dim}")
+
+
+def splits_as_slices(program: ExportedProgram, *, bf16: bool) -> ExportedProgram:
+    """`program`, or a rewritten copy when some split becomes slices.
+
+    `bf16`: whether XNNPACK compiles a slice in bf16 for this lowering."""
+    match = functools.partial(match_split_as_slices, dtypes=delegated_floats(bf16))
+    return rewrite_matches_on_a_copy(program, match, rewrite_as_slices, FOLD)
