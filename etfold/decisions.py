@@ -25,7 +25,7 @@ import contextlib
 import contextvars
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -41,6 +41,14 @@ class Declined:
 
     def __bool__(self) -> bool:  # a Declined is never a match
         return False
+
+
+def first_declined(*checks: Callable[[], Declined | None]) -> Declined | None:
+    """The first check's decline, in order (later checks may assume earlier ones held)."""
+    for check in checks:
+        if (declined := check()) is not None:
+            return declined
+    return None
 
 
 @dataclass(frozen=True)

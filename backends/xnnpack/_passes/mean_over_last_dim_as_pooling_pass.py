@@ -38,7 +38,7 @@ from torch.export import ExportedProgram
 
 from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
 from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import XNN_MAX_TENSOR_DIMS
-from etfold.decisions import Declined, record_applied
+from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 from etfold.exir.passes.node_shapes import rank_of, static_shape
 
@@ -119,15 +119,14 @@ def match_mean_over_last_dim(
     if is_upstream_delegated(node):
         return None
     _, keepdim = _dims_and_keepdim(node)
-    checks = (
+    declined = first_declined(
         lambda: rank_fits(rank, keepdim),  # first: the others assume rank >= 1
         lambda: reduces_last_dim_only(node, rank),
         lambda: has_no_dtype_override(node),
         lambda: dtype_taken(source.meta["val"], dtypes, "mean"),
     )
-    for check in checks:
-        if (declined := check()) is not None:
-            return declined
+    if declined is not None:
+        return declined
     shape = static_nonempty_shape(source)
     if isinstance(shape, Declined):
         return shape

@@ -36,7 +36,7 @@ from torch.export import ExportedProgram
 
 from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
 from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import XNN_MAX_TENSOR_DIMS
-from etfold.decisions import Declined, record_applied
+from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 from etfold.exir.passes.node_shapes import rank_of, static_shape_of_value
 
@@ -101,14 +101,13 @@ def match_split_as_slices(
         return Declined("no tensor metadata on the split's input")
     if rank > XNN_MAX_TENSOR_DIMS:
         return Declined(f"rank {rank} input: XNNPACK holds at most {XNN_MAX_TENSOR_DIMS} dims")
-    checks = (
+    declined = first_declined(
         lambda: _pieces_by_index(node),
         lambda: _quantized_input(source),
         lambda: dtype_taken(source.meta["val"], dtypes, "split"),
     )
-    for check in checks:
-        if (declined := check()) is not None:
-            return declined
+    if declined is not None:
+        return declined
     sizes = _static_piece_sizes(node)
     if isinstance(sizes, Declined):
         return sizes
