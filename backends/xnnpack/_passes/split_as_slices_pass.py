@@ -32,6 +32,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
+from executorch.backends.xnnpack.utils.quant_utils import is_dequant
 from torch.export import ExportedProgram
 
 from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
@@ -70,7 +71,7 @@ def _pieces_by_index(node: torch.fx.Node) -> Declined | None:
 
 
 def _quantized_input(source: torch.fx.Node) -> Declined | None:
-    if "dequantize" in str(getattr(source, "target", "")):
+    if is_dequant(source):
         return Declined("quantized input: the slices would need matching quantization each")
     return None
 

@@ -131,3 +131,23 @@ def test_generated_splits_join_the_delegate_bit_for_bit(sizes, dim, dtype):
     assert "aten.split_with_sizes_copy.default" not in program.ops_outside()
     assert decisions and all(d.applied for d in decisions)
     assert torch.equal(program.run(x)[0], expected[0])
+
+
+def test_a_split_of_a_dequantized_input_stays_and_the_program_comes_back_as_it_was():
+    from torch.ao.quantization.fx import _decomposed  # noqa: F401  (registers the q/dq ops)
+
+    class DequantizedPieces(torch.nn.Module):
+        def forward(self, codes):
+            x = torch.ops.quantized_decomposed.dequantize_per_tensor(
+                codes, 0.1, 0, -128, 127, torch.int8
+            )
+            low, high = x.split(4, -1)
+            return low * high
+
+    codes = torch.randint(-128, 128, (2, 8), dtype=torch.int8)
+    program = torch.export.export(DequantizedPieces(), (codes,))
+    with collect_decisions() as decisions:
+        assert splits_as_slices(program, bf16=False) is program
+    assert [(d.applied, d.detail.split(":")[0]) for d in decisions if d.fold == FOLD] == [
+        (False, "quantized input")
+    ]
