@@ -22,9 +22,10 @@
   was a quarter of a small lowering. Garbage created during a file is
   collected as usual.
 - Every test runs inside `torch_speedups()`, as etfold's entry point does: torch
-  lowers exactly as it would, without repeating one lookup per op namespace and
-  without deep-copying every node's provenance chain on every pass (a fifth of
-  each small lowering and a third of a decoder's, stock and etfold alike).
+  lowers exactly as it would, without repeating one lookup per op namespace,
+  one kernel-registration closure per op and key, or a deep copy of every
+  node's provenance chain on every pass (each a fifth to a third of a
+  lowering, stock and etfold alike).
 """
 
 import gc

@@ -15,8 +15,8 @@ see one method, know what the other methods do; a partitioner lowered through
 upstream's entry point computes the same marks itself. The scopes backends
 register (`lowering_scopes`) are entered around the call, so whatever a
 backend installed into upstream for it is gone when it returns or raises, and
-torch does less work for the same result (`torch_speedups`). The returned manager checks the external constant map
-at `to_executorch()`.
+torch does less work for the same result (`torch_speedups`). The returned
+manager checks the external constant map at `to_executorch()`.
 """
 
 from __future__ import annotations
