@@ -35,6 +35,10 @@ from etfold.backends.xnnpack._passes.last_axis_ops_read_nchw import (
     LAYOUT_GUARD_SPEC,
     needs_layout_guard,
 )
+from etfold.backends.xnnpack._passes.layer_norm_as_delegated_ops_pass import (
+    DELEGATED_TARGETS,
+    layer_norms_as_delegated_ops,
+)
 from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
     means_over_last_dim_as_pooling,
 )
@@ -109,6 +113,12 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         exported_program = self._shape_ops_as_views(exported_program)
         configs, user_bf16 = self.target_partitioner_configs, self._user_enable_bf16
         bf16 = bf16_applies(exported_program, user_bf16)
+        if not self.per_op_mode and set(DELEGATED_TARGETS) <= configs.keys():
+            # before the mean pass, which writes its means as pooling
+            exported_program = layer_norms_as_delegated_ops(
+                exported_program,
+                bf16=bf16 and all(bf16_setting(t, user_bf16) for t in DELEGATED_TARGETS),
+            )
         if not self.per_op_mode and {"mean.dim", "view_copy.default"} <= configs.keys():
             exported_program = means_over_last_dim_as_pooling(
                 exported_program, bf16=bf16 and bf16_setting("mean.dim", user_bf16)
