@@ -41,7 +41,8 @@ for (`_passes/lowering_target.py`): some folds pay on one NPU only. That is the
 one place the Ethos-U compile spec is still known; the backend pipeline below
 it gets a TOSA-only spec (`TOSABackend.filter_tosa_compile_specs`), so a
 direct `ArmPassManager(EthosUCompileSpec(...))` run is covered by wrapping
-`transform_to_backend_pipeline` too. Registration checks
+`transform_to_backend_pipeline` too, and `EthosUQuantizer`'s annotation run
+(before calibration) by wrapping `transform_for_annotation_pipeline`. Registration checks
 upstream's shape first (classes, registry functions, the annotation anchors
 really being added) and raises `ArmRegistrationError` if anything moved.
 """
@@ -158,6 +159,7 @@ class _Installed:
     original_add_pass: Callable
     original_pre_decomposition: Callable
     original_backend_pipeline: Callable
+    original_annotation_pipeline: Callable
     original_ethos_u_preprocess: Any  # the staticmethod object in EthosUBackend.__dict__
     registry_entries: list[tuple[type, Position, Any]]  # (anchor type, position, instance)
     created_registry_keys: list[type]
@@ -265,17 +267,19 @@ def _make_pre_decomposition(original: Callable) -> Callable:
     return transform_for_pre_decomposition_pipeline
 
 
-def _make_backend_pipeline(original: Callable) -> Callable:
+def _make_target_aware(original: Callable) -> Callable:
+    """An ArmPassManager pipeline method run inside `lowering_for` its Ethos-U compile spec."""
     from etfold.backends.arm._passes.lowering_target import is_ethos_u_spec, lowering_for
 
-    def transform_to_backend_pipeline(self, *args, **kwargs):
+    def pipeline(self, *args, **kwargs):
         if not is_ethos_u_spec(self.compile_spec):
             return original(self, *args, **kwargs)
         with lowering_for(self.compile_spec):
             return original(self, *args, **kwargs)
 
-    transform_to_backend_pipeline.__etfold_wrapped__ = original  # type: ignore[attr-defined]
-    return transform_to_backend_pipeline
+    pipeline.__name__ = pipeline.__qualname__ = original.__name__
+    pipeline.__etfold_wrapped__ = original  # type: ignore[attr-defined]
+    return pipeline
 
 
 def _ethos_u_backend() -> type:
@@ -359,13 +363,15 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
 
     original_pre_decomposition = manager_cls.__dict__["transform_for_pre_decomposition_pipeline"]
     original_backend_pipeline = manager_cls.__dict__["transform_to_backend_pipeline"]
+    original_annotation_pipeline = manager_cls.__dict__["transform_for_annotation_pipeline"]
     ethos_u_backend = _ethos_u_backend()
     original_ethos_u_preprocess = ethos_u_backend.__dict__["preprocess"]
     manager_cls.add_pass = _make_add_pass(original_add_pass, retired, insertions)
     manager_cls.transform_for_pre_decomposition_pipeline = _make_pre_decomposition(
         original_pre_decomposition
     )
-    manager_cls.transform_to_backend_pipeline = _make_backend_pipeline(original_backend_pipeline)
+    manager_cls.transform_to_backend_pipeline = _make_target_aware(original_backend_pipeline)
+    manager_cls.transform_for_annotation_pipeline = _make_target_aware(original_annotation_pipeline)
     ethos_u_backend.preprocess = _make_ethos_u_preprocess(original_ethos_u_preprocess)
     try:
         _check_annotation_anchors(insertions)
@@ -375,6 +381,7 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
         manager_cls.add_pass = original_add_pass
         manager_cls.transform_for_pre_decomposition_pipeline = original_pre_decomposition
         manager_cls.transform_to_backend_pipeline = original_backend_pipeline
+        manager_cls.transform_for_annotation_pipeline = original_annotation_pipeline
         ethos_u_backend.preprocess = original_ethos_u_preprocess
         raise
 
@@ -387,6 +394,7 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
         original_add_pass,
         original_pre_decomposition,
         original_backend_pipeline,
+        original_annotation_pipeline,
         original_ethos_u_preprocess,
         entries,
         created,
@@ -436,6 +444,9 @@ def _uninstall() -> None:
         _installed.original_pre_decomposition
     )
     module.ArmPassManager.transform_to_backend_pipeline = _installed.original_backend_pipeline
+    module.ArmPassManager.transform_for_annotation_pipeline = (
+        _installed.original_annotation_pipeline
+    )
     _ethos_u_backend().preprocess = _installed.original_ethos_u_preprocess
     remove_pass_insertions(_installed.registry_entries, _installed.created_registry_keys)
     _installed = None

@@ -22,10 +22,8 @@ output codes are bit-identical to the unfolded lowering. Runs before
 InsertTableOpsPass (the tanh must still be an aten.tanh).
 
 On Ethos-U, declines when x is read by anything besides the alpha multiply (a
-residual stream, say). Vela fuses a TABLE into its producer as that op's
-activation: unfolded the TABLE rides free behind the MUL, whose output only it
-reads; folded it would read x, which other ops read too, and run as an op of its
-own, which costs more cycles than the MUL it removes. Other TOSA targets fold.
+residual stream, say): the TABLE would stop riding free as the MUL's fused
+activation (`npu_costs.table_stays_fused`). Other TOSA targets fold.
 """
 
 from __future__ import annotations
@@ -56,7 +54,7 @@ from etfold.backends.arm._passes.dyt_match import (
     rescale_of,
     single_qargs,
 )
-from etfold.backends.arm._passes.lowering_target import ethos_u_target
+from etfold.backends.arm._passes.npu_costs import table_stays_fused
 from etfold.backends.arm._passes.tosa_integer import Rescale, fits_int32
 from etfold.decisions import Declined
 from etfold.exir.passes.graph_walk import tensor_digest
@@ -177,15 +175,8 @@ def activation_qargs_agree(
 
 
 def table_stays_fused_on_the_npu(activation_operand: Node) -> Declined | None:
-    target = ethos_u_target()
-    if target is None:
-        return None
-    if len(activation_operand.args[0].users) != 1 or len(activation_operand.users) != 1:
-        return Declined(
-            f"on {target} the TABLE is free as the alpha multiply's fused activation; folded it "
-            "would read an activation other ops also read (a residual) and run standalone"
-        )
-    return None
+    sole_reader = len(activation_operand.args[0].users) == 1 and len(activation_operand.users) == 1
+    return table_stays_fused(sole_reader)
 
 
 def product_stays_in_int32(activation: Rescale, alpha: Int32Constant) -> Declined | None:

@@ -32,7 +32,8 @@ meet in one add (or sub) with every channel's scales keeping its sign:
 quantized, the twins round alike, and where their combination cancels, that
 shared rounding cancels with it, which separately folded weights would lose.
 Twins whose results never meet (separate outputs) fold; in float every fold is
-exact up to fp32 rounding, twins or not.
+exact up to fp32 rounding, twins or not. On an Ethos-U target it also declines
+where Vela would schedule the folded graph worse (`npu_costs`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from etfold.backends.arm._passes.conv_arguments import (
     set_conv_argument,
 )
 from etfold.backends.arm._passes.layout_axes import axis_after_layout_op, is_layout
+from etfold.backends.arm._passes.npu_costs import per_channel_scale_into_transposed_conv
 from etfold.backends.arm._passes.op_families import is_inference_noop
 from etfold.backends.arm._passes.twin_layers import meet, twin_layers
 from etfold.decisions import Declined
@@ -444,6 +446,11 @@ class FoldScalarMulIntoConvPass(ArmPass):
         )
         if not keeps_weight_precision(weight_tensor, channel_scale, transposed, groups):
             return Declined(WEIGHT_BELOW_SCALE_FLOOR)
+        if (
+            transposed
+            and (costly := per_channel_scale_into_transposed_conv(channel_scale)) is not None
+        ):
+            return costly
         return ConvScaleMatch(
             mul=mul,
             conv=conv,

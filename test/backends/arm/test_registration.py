@@ -52,6 +52,7 @@ def _snapshot():
         apm.ArmPassManager.__dict__["add_pass"],
         apm.ArmPassManager.__dict__["transform_for_pre_decomposition_pipeline"],
         apm.ArmPassManager.__dict__["transform_to_backend_pipeline"],
+        apm.ArmPassManager.__dict__["transform_for_annotation_pipeline"],
         EthosUBackend.__dict__["preprocess"],
         {
             t: ([id(p) for p in i.before_passes], [id(p) for p in i.after_passes])

@@ -1,0 +1,69 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Where a fold costs Ethos-U cycles: the rules, per target, in one place.
+
+Vela schedules the same TOSA graph differently on each NPU, so a fold that
+removes an operator can still cost cycles where Vela then runs what remains
+worse. Each rule states the Vela behaviour behind it and returns a `Declined`
+naming the cost it avoids, or None where the fold is free on the target being
+lowered for. A lowering with no Ethos-U target (plain TOSA) has no NPU schedule
+to protect, so every rule passes there. `bench/bench_arm_npu.py` measures each.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from etfold.backends.arm._passes.lowering_target import ethos_u_target
+from etfold.decisions import Declined
+
+# Ethos-U55 and U65 share one NPU architecture (Vela documents their TOSA
+# constraints together); the U85 is a different one.
+_U55_FAMILY = ("ethos-u55", "ethos-u65")
+
+
+def _in_u55_family(target: str) -> bool:
+    return target.startswith(_U55_FAMILY)
+
+
+def per_channel_scale_into_transposed_conv(channel_scale: torch.Tensor) -> Declined | None:
+    """A scale that differs between channels may not fold into a transposed conv on U55/U65.
+
+    There Vela cannot fuse a transposed conv's per-channel requantization into
+    the conv: the RESCALE runs as elementwise passes of its own, one per distinct
+    per-channel shift. Folding a scale that differs between channels spreads the
+    channels' weight ranges, hence their shifts, over more binades: more passes
+    than the one multiply the fold removes. A uniform scale moves every channel's
+    range and the output's alike, so the shifts stay as they were. U85 fuses it.
+    """
+    target = ethos_u_target()
+    if target is None or not _in_u55_family(target):
+        return None
+    if channel_scale.unique().numel() == 1:
+        return None
+    return Declined(
+        f"on {target} Vela requantizes a transposed conv's output in standalone passes, one "
+        "per distinct per-channel shift; a scale that differs between channels spreads the "
+        "shifts and costs more cycles than the multiply it removes"
+    )
+
+
+def table_stays_fused(sole_reader: bool) -> Declined | None:
+    """A TABLE may move onto an activation only where it stays fused (Ethos-U).
+
+    Vela fuses a TABLE into its producer as that op's activation. Unfolded, DyT's
+    TABLE rides free behind the alpha multiply, whose output only it reads;
+    moved onto an activation other ops also read (`sole_reader` False: a
+    residual), it runs as an op of its own and costs more than the MUL it removes.
+    """
+    target = ethos_u_target()
+    if target is None or sole_reader:
+        return None
+    return Declined(
+        f"on {target} the TABLE is free as the alpha multiply's fused activation; folded it "
+        "would read an activation other ops also read (a residual) and run standalone"
+    )
