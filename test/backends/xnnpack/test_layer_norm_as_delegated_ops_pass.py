@@ -1,0 +1,231 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""A layer norm over the last dim runs inside the delegate, as means and elementwise ops."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from etfold.backends.xnnpack import XnnpackPartitioner
+from etfold.backends.xnnpack._passes.layer_norm_as_delegated_ops_pass import (
+    FOLD,
+    layer_norms_as_delegated_ops,
+)
+from etfold.decisions import collect_decisions
+from etfold.exir import to_edge_transform_and_lower
+from etfold.harness.xnnpack_runner import assert_close, eager_outputs, lower_module_xnnpack
+
+aten = torch.ops.aten
+NORM_OPS = ("aten.native_layer_norm.default", "aten.layer_norm.default")
+
+
+class NormBetween(torch.nn.Module):
+    """relu -> layer norm -> doubled: the ops around the norm are exact in every dtype,
+    so the runtime differs from eager by the norm alone; stock splits the delegate."""
+
+    def __init__(self, width: int = 32, affine: bool = True, bias: bool = True):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width, elementwise_affine=affine, bias=bias)
+        if affine:
+            with torch.no_grad():
+                self.norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+                if bias:
+                    self.norm.bias.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(2))
+
+    def forward(self, x):
+        y = self.norm(torch.relu(x))
+        return y + y
+
+
+def _inputs(shape, dtype=torch.float32, seed=0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype),)
+
+
+def _lower(module, inputs, upstream_entry_point=False):
+    lower = {} if upstream_entry_point else {"lower": to_edge_transform_and_lower}
+    with collect_decisions() as decisions:
+        program, expected = lower_module_xnnpack(module, inputs, [XnnpackPartitioner()], **lower)
+    return program, expected, [d for d in decisions if d.fold == FOLD]
+
+
+@functools.cache
+def _lowered(dtype, upstream_entry_point):
+    module, inputs = NormBetween().to(dtype).eval(), _inputs((3, 5, 32), dtype)
+    return (*_lower(module, inputs, upstream_entry_point), module, inputs)
+
+
+def _within_one_ulp(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Each value equals eager's or one of its two neighbours in the output dtype."""
+    down, up = (torch.full_like(expected, bound) for bound in (-torch.inf, torch.inf))
+    neighbours = (torch.nextafter(expected, down), expected, torch.nextafter(expected, up))
+    return bool(torch.stack([actual == n for n in neighbours]).any(0).all())
+
+
+@pytest.mark.parametrize(
+    ("dtype", "upstream_entry_point"),
+    [
+        (torch.float32, False),
+        (torch.float16, False),
+        (torch.bfloat16, False),
+        (torch.float32, True),
+    ],
+    ids=["fp32", "fp16", "bf16", "fp32-upstream_entry_point"],
+)
+def test_the_norm_joins_the_one_delegate(dtype, upstream_entry_point):
+    program, _, decisions, *_ = _lowered(dtype, upstream_entry_point)
+    assert program.delegates() == 1 and not program.ops_outside()
+    assert [(d.applied, d.detail) for d in decisions] == [(True, "over 32 values, with affine")]
+
+
+def test_fp32_on_the_runtime_matches_eager():
+    """Both compute the same two row means in fp32; they differ in summation order
+    only (measured 2.4e-6 at width 1024, outputs of magnitude up to 6)."""
+    program, expected, _, _, inputs = _lowered(torch.float32, False)
+    assert_close(program.run(*inputs), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_norms_are_computed_in_fp32_and_rounded_once(dtype):
+    """The half norm arrives widened to fp32: the runtime's result is the fp32 norm
+    rounded once, as eager's is, so within one ulp of eager in its dtype and within one
+    rounding (plus fp32 summation noise) of eager computed in fp32."""
+    program, expected, _, module, inputs = _lowered(dtype, False)
+    (actual,) = program.run(*inputs)
+    assert actual.dtype == dtype and _within_one_ulp(actual, expected[0])
+    (in_fp32,) = eager_outputs(copy.deepcopy(module).float(), tuple(x.float() for x in inputs))
+    rounding = (in_fp32.to(dtype).float() - in_fp32).abs()
+    assert bool(((actual.float() - in_fp32).abs() <= rounding + 1e-5).all())
+
+
+def _declined(module, inputs, *, bf16=False, edit=None, **export_kwargs) -> list[str]:
+    """The pass on the exported program: it comes back unchanged; the reasons."""
+    program = torch.export.export(module.eval(), inputs, **export_kwargs)
+    if edit is not None:
+        edit(program)
+    before = program.graph_module.code
+    with collect_decisions() as decisions:
+        result = layer_norms_as_delegated_ops(program, bf16=bf16)
+    assert result is program and program.graph_module.code == before
+    return [d.detail for d in decisions if d.fold == FOLD and not d.applied]
+
+
+class FunctionalNorm(torch.nn.Module):
+    def __init__(self, dims: int = 1, transpose: bool = False):
+        super().__init__()
+        self.dims, self.transpose = dims, transpose
+
+    def forward(self, x):
+        x = x.transpose(0, 1) if self.transpose else x
+        return torch.nn.functional.layer_norm(x, x.shape[-self.dims :])
+
+
+class NativeNormWithStatistics(torch.nn.Module):
+    def forward(self, x):
+        out, mean, rstd = aten.native_layer_norm(x, [x.shape[-1]], None, None, 1e-5)
+        return out * rstd + mean
+
+
+class DequantizedNorm(torch.nn.Module):
+    def forward(self, codes):
+        x = torch.ops.quantized_decomposed.dequantize_per_tensor(
+            codes, 0.1, 0, -128, 127, torch.int8
+        )
+        return torch.nn.functional.layer_norm(x, [8])
+
+
+def _weight_in_float64(program):
+    (norm,) = [n for n in program.graph.nodes if n.target is aten.layer_norm.default]
+    norm.args[2].meta["val"] = norm.args[2].meta["val"].to(torch.float64)
+
+
+def test_declines_when_it_normalizes_more_than_the_last_dim():
+    (reason,) = _declined(FunctionalNorm(dims=2), _inputs((2, 3, 4)))
+    assert reason.startswith("normalizes over the last 2 dims")
+
+
+def test_declines_when_its_mean_or_rstd_is_used():
+    (reason,) = _declined(NativeNormWithStatistics(), _inputs((2, 8)))
+    assert reason.startswith("its mean or rstd output is used")
+
+
+def test_declines_when_the_input_is_quantized():
+    from torch.ao.quantization.fx import _decomposed  # noqa: F401  (registers the q/dq ops)
+
+    codes = torch.randint(-128, 128, (2, 8), dtype=torch.int8)
+    (reason,) = _declined(DequantizedNorm(), (codes,))
+    assert reason.startswith("quantized input")
+
+
+def test_declines_when_xnnpack_cannot_compile_its_dtype():
+    (reason,) = _declined(FunctionalNorm(), _inputs((2, 8), torch.bfloat16))
+    assert reason == "torch.bfloat16 layer norm: XNNPACK takes float16/float32 for it here"
+
+
+def test_declines_an_fp16_norm_computed_in_fp16_with_the_measured_error():
+    (reason,) = _declined(FunctionalNorm(), _inputs((2, 8), torch.float16))
+    assert reason.startswith("float16 layer norm computed in float16: 5.0e-3 off")
+
+
+def test_declines_when_weight_and_input_dtypes_differ():
+    module = NormBetween(width=8)
+    (reason,) = _declined(module, _inputs((2, 8)), edit=_weight_in_float64)
+    assert reason == "weight in torch.float64, input in torch.float32"
+
+
+def test_declines_when_the_rank_is_beyond_xnnpack():
+    (reason,) = _declined(FunctionalNorm(), _inputs((1,) * 6 + (4,)))
+    assert reason.startswith("rank 7 input")
+
+
+def test_declines_when_the_shape_is_dynamic():
+    rows = torch.export.Dim("rows", min=2, max=64)
+    (reason,) = _declined(FunctionalNorm(), _inputs((4, 8)), dynamic_shapes=({0: rows},))
+    assert reason.startswith("dynamic shape")
+
+
+def test_declines_when_the_input_is_empty():
+    (reason,) = _declined(FunctionalNorm(), _inputs((0, 8)))
+    assert reason.startswith("empty input")
+
+
+def test_declines_when_the_input_is_not_contiguous():
+    (reason,) = _declined(FunctionalNorm(transpose=True), _inputs((3, 4, 5)))
+    assert reason.startswith("input is not contiguous")
+
+
+def test_native_layer_norm_is_rewritten_on_a_copy_and_computes_the_same():
+    module, inputs = NormBetween(width=16).eval(), _inputs((4, 16))
+    program = torch.export.export(module, inputs).run_decompositions()
+    code = program.graph_module.code
+    assert "native_layer_norm" in code
+    with collect_decisions() as decisions:
+        rewritten = layer_norms_as_delegated_ops(program, bf16=False)
+    assert program.graph_module.code == code
+    assert [d.applied for d in decisions if d.fold == FOLD] == [True]
+    targets = [n.target for n in rewritten.graph.nodes if n.op == "call_function"]
+    assert aten.native_layer_norm.default not in targets and targets.count(aten.mean.dim) == 2
+    torch.testing.assert_close(rewritten.module()(*inputs), module(*inputs), atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=3, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=0, max_size=3).map(lambda s: [*s, 12]),
+    affine=st.booleans(),
+    bias=st.booleans(),
+)
+def test_generated_norms_join_the_delegate_and_match_eager(shape, affine, bias):
+    module, inputs = NormBetween(12, affine, bias).eval(), _inputs(shape, seed=len(shape))
+    program, expected, decisions = _lower(module, inputs)
+    assert [d.applied for d in decisions] == [True]
+    assert not any(op in program.ops_outside() for op in NORM_OPS)
+    assert_close(program.run(*inputs), expected, atol=1e-5, rtol=1e-5)
