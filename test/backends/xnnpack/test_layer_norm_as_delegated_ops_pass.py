@@ -107,6 +107,26 @@ def test_half_norms_are_computed_in_fp32_and_rounded_once(dtype):
     assert bool(((actual.float() - in_fp32).abs() <= rounding + 1e-5).all())
 
 
+class ConvThenNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 6, 3)
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(self.conv(x), [6])
+
+
+def test_a_conv_output_normalized_over_its_width_matches_eager():
+    """Inside the delegate the conv's output is NHWC while the program normalizes W: the
+    rewritten means and their broadcasts must still read W (upstream's layout pass)."""
+    torch.manual_seed(3)
+    module, inputs = ConvThenNorm().eval(), _inputs((1, 3, 5, 8))
+    program, expected, decisions = _lower(module, inputs)
+    assert [d.applied for d in decisions] == [True]
+    assert program.delegates() == 1 and not program.ops_outside()
+    assert_close(program.run(*inputs), expected, atol=1e-5, rtol=1e-5)
+
+
 def _declined(module, inputs, *, bf16=False, edit=None, **export_kwargs) -> list[str]:
     """The pass on the exported program: it comes back unchanged; the reasons."""
     program = torch.export.export(module.eval(), inputs, **export_kwargs)
