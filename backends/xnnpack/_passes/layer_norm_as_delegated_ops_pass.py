@@ -89,6 +89,10 @@ class LayerNormOverLastDim:
     eps: float
 
 
+def _fake(value: object) -> object:
+    return value.meta.get("val") if isinstance(value, torch.fx.Node) else value
+
+
 def _argument(node: torch.fx.Node, index: int, default: object = None) -> object:
     """Argument `index` of the op's schema, given positionally or by name."""
     if len(node.args) > index:
@@ -100,7 +104,7 @@ def over_last_dim_only(node: torch.fx.Node) -> Declined | None:
     normalized = _argument(node, 1)
     if not isinstance(normalized, (list, tuple)) or len(normalized) != 1:
         return Declined(
-            f"normalizes over the last {len(normalized)} dims: only a layer norm over the "
+            f"normalizes over the last dims {normalized}: only a layer norm over the "
             "last dim alone is rewritten"
         )
     return None
@@ -123,9 +127,11 @@ def not_quantized(source: torch.fx.Node) -> Declined | None:
 
 def affine_in_input_dtype(node: torch.fx.Node, dtype: torch.dtype) -> Declined | None:
     for name, index in (("weight", 2), ("bias", 3)):
-        value = _argument(node, index)
-        if value is not None and value.meta["val"].dtype != dtype:
-            return Declined(f"{name} in {value.meta['val'].dtype}, input in {dtype}")
+        value = _fake(_argument(node, index))
+        if value is not None and not isinstance(value, torch.Tensor):
+            return Declined(f"no tensor metadata on the layer norm's {name}")
+        if value is not None and value.dtype != dtype:
+            return Declined(f"{name} in {value.dtype}, input in {dtype}")
     return None
 
 
@@ -162,10 +168,6 @@ def match_layer_norm(
         return declined
     eps = _argument(node, 4, 1e-5)
     return LayerNormOverLastDim(node, source, _argument(node, 2), _argument(node, 3), eps)
-
-
-def _fake(value: object) -> object:
-    return value.meta["val"] if isinstance(value, torch.fx.Node) else value
 
 
 def _insert(anchor: torch.fx.Node, target, *args) -> torch.fx.Node:
