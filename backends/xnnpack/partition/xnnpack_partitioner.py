@@ -31,6 +31,11 @@ from etfold.backends.xnnpack._passes.contiguous_last_axis_inputs_pass import (
     read_last_axis_normalizations_contiguous,
 )
 from etfold.backends.xnnpack._passes.dtype_convert_match import DtypeConvert, match_dtype_convert
+from etfold.backends.xnnpack._passes.expand_as_delegated_ops_pass import (
+    BROADCASTING_OPS,
+    COPY_TARGETS,
+    expands_as_delegated_ops,
+)
 from etfold.backends.xnnpack._passes.last_axis_ops_read_nchw import (
     LAYOUT_GUARD_SPEC,
     needs_layout_guard,
@@ -110,9 +115,17 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
             exported_program = fold_gemm_weights(
                 exported_program, slots, self._decomposition_table(exported_program)
             )
-        exported_program = self._shape_ops_as_views(exported_program)
         configs, user_bf16 = self.target_partitioner_configs, self._user_enable_bf16
         bf16 = bf16_applies(exported_program, user_bf16)
+        if not self.per_op_mode and set(COPY_TARGETS) <= configs.keys():
+            # before the shape ops: an unsqueeze beside an expand joins no delegate
+            exported_program = expands_as_delegated_ops(
+                exported_program,
+                self._decomposition_table(exported_program),
+                [op for op, target in BROADCASTING_OPS.items() if target in configs],
+                bf16=bf16 and bf16_setting("cat.default", user_bf16),
+            )
+        exported_program = self._shape_ops_as_views(exported_program)
         if not self.per_op_mode and set(DELEGATED_TARGETS) <= configs.keys():
             # before the mean pass, which writes its means as pooling
             exported_program = layer_norms_as_delegated_ops(

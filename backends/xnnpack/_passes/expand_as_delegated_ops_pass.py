@@ -1,0 +1,247 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Write an expand, which XNNPACK refuses, as the ops it delegates (or as nothing).
+
+Given:   e = expand(x, S)                x: [s0, ..., s(k-1)], S: [S0, ..., S(r-1)], static
+         l = view(x, [1] * (r - k) + [s0, ..., s(k-1)])    (x itself when r == k)
+Result, by what reads e:
+  (a) every reader broadcasts:  op(e, y) -> op(l, y)       op: add, sub, mul, div, maximum,
+                                                           minimum; when the broadcast shape
+                                                           of l and y is the one of e and y
+  (b) otherwise:                e -> cat([l, ..., l], i) along each axis i where l has 1 and
+                                     S has S_i > 1 (S_i copies), one axis after the other
+  (c) S is x's shape:           e -> x
+
+(a) An expand is a broadcast: element j of e is element j' of l, j' = j with every
+index on an axis of size 1 set to 0. A broadcasting op reads its operands the same
+way, so reading l instead of e gives each output element from the same values,
+provided the output shape does not change (it would when e alone sets an axis:
+`mul(e, 2.0)` or `add(e, y)` where y has 1 there: declined to (b)).
+(b) Concatenating S_i copies of a size-1 slab along axis i gives a slab whose every
+index on axis i holds the one value: the expand along axis i. Every form only copies
+values, so each is bit-exact in every dtype.
+
+Why. ExecuTorch 1.5.1's XNNPACK partitioner has no config for `expand_copy`, so every
+expand stays on portable kernels and cuts the delegate: grouped-query attention's
+`repeat_kv` (expand along an inserted axis, then a reshape), attention masks
+broadcast to `[B, H, T, T]`, and the batch expands `matmul`'s decomposition writes
+(no-ops, `(c)`). Upstream delegates the binary ops, `cat` and a static `view_copy`.
+
+XNNPACK's concatenate takes 2 to 5 inputs, and upstream's CatConfig counts distinct
+input nodes: each cat here takes at most 5, the first one a view of l beside l.
+
+Declines (the expand stays): dynamic or empty shapes, a quantized input, a rank
+beyond XNNPACK's, for (b) a dtype XNNPACK does not concatenate here, and for (c) an
+expand the program returns (it would return its input as a second output).
+
+Runs on the ATen program, before decomposition; a program holding a batched
+`matmul` is decomposed with the lowering's own table first (what upstream does next
+anyway), so the expands it writes are seen; nothing rewritten, it comes back as it was.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+import torch
+from executorch.backends.xnnpack.utils.quant_utils import is_dequant
+from torch.export import ExportedProgram
+
+from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
+from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import XNN_MAX_TENSOR_DIMS
+from etfold.backends.xnnpack.partition.weight_fold import carry_placeholder_marks
+from etfold.decisions import Declined, first_declined, record_applied
+from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_shapes import rank_of, static_shape
+
+FOLD = "xnnpack.expand_as_delegated_ops"
+
+aten = torch.ops.aten
+# upstream config target of each ATen binary op whose XNNPACK node broadcasts both operands
+BROADCASTING_OPS = {
+    aten.add.Tensor: "add.Tensor",
+    aten.sub.Tensor: "sub.Tensor",
+    aten.mul.Tensor: "mul.Tensor",
+    aten.div.Tensor: "div.Tensor",
+    aten.maximum.default: "maximum.default",
+    aten.minimum.default: "minimum.default",
+}
+# the upstream configs the copies need: the lift and the first copy are views
+COPY_TARGETS = ("cat.default", "view_copy.default")
+MAX_CAT_INPUTS = 5  # XNNPACK's concatenate nodes take 2 to 5 inputs
+
+
+@dataclass(frozen=True)
+class ExpandAsDelegatedOps:
+    node: torch.fx.Node
+    lifted: tuple[int, ...] | None  # the view of x to e's rank, when the expand adds axes
+    repeats: tuple[tuple[int, int], ...]  # (axis, copies) concatenated; () when dropped
+
+
+def _static_shapes(node: torch.fx.Node) -> tuple[tuple[int, ...], tuple[int, ...]] | Declined:
+    source, out = static_shape(node.args[0]), static_shape(node)
+    if source is None or out is None:
+        return Declined("dynamic shape: the copies are not known when lowering")
+    if 0 in out:
+        return Declined(f"empty result {list(out)}: XNNPACK takes no empty tensors")
+    return source, out
+
+
+def _rank_fits(rank: int) -> Declined | None:
+    if rank > XNN_MAX_TENSOR_DIMS:
+        return Declined(f"rank {rank} result: XNNPACK holds at most {XNN_MAX_TENSOR_DIMS} dims")
+    return None
+
+
+def _not_quantized(source: torch.fx.Node) -> Declined | None:
+    if is_dequant(source):
+        return Declined("quantized input: the copies would each need quantization")
+    return None
+
+
+def _operand_shape(value: object, node: torch.fx.Node, lifted: tuple[int, ...]):
+    if value is node:
+        return lifted
+    return static_shape(value) if isinstance(value, torch.fx.Node) else ()
+
+
+def broadcasts_alike(
+    node: torch.fx.Node, lifted: tuple[int, ...], broadcasting: Collection
+) -> Declined | None:
+    """None when every reader is a broadcasting op whose result keeps its shape with
+    the expand's input (viewed to its rank) in its place; else why it is kept."""
+    for user in node.users:
+        if user.target not in broadcasting or node in user.kwargs.values():
+            return Declined(f"read by {user.name}, which does not broadcast it")
+        shapes = [_operand_shape(a, node, lifted) for a in user.args[:2]]
+        if any(shape is None for shape in shapes) or static_shape(user) is None:
+            return Declined(f"dynamic shape at {user.name}")
+        if tuple(torch.broadcast_shapes(*shapes)) != static_shape(user):
+            return Declined(f"the expand sets {user.name}'s shape on its own")
+    return None
+
+
+def not_returned(node: torch.fx.Node) -> Declined | None:
+    if any(user.op == "output" for user in node.users):
+        return Declined("a no-op the program returns: removed, it would return its input")
+    return None
+
+
+def match_expand(
+    node: torch.fx.Node, dtypes: Collection[torch.dtype], broadcasting: Collection
+) -> ExpandAsDelegatedOps | Declined | None:
+    """The rewrite of `node`, a reason it stays, or None when it is not an expand."""
+    if node.op != "call_function" or node.target is not aten.expand.default:
+        return None
+    source = node.args[0]
+    if rank_of(source) is None:
+        return Declined("no tensor metadata on the expand's input")
+    shapes = _static_shapes(node)
+    if isinstance(shapes, Declined):
+        return shapes
+    shape, out = shapes
+    declined = first_declined(lambda: _rank_fits(len(out)), lambda: _not_quantized(source))
+    if declined is not None:
+        return declined
+    lifted = (1,) * (len(out) - len(shape)) + shape
+    view = lifted if lifted != shape else None
+    repeats = tuple(
+        (axis, n) for axis, (m, n) in enumerate(zip(lifted, out, strict=True)) if m != n
+    )
+    if not repeats and view is None and (declined := not_returned(node)) is not None:
+        return declined
+    if not repeats or broadcasts_alike(node, lifted, broadcasting) is None:
+        return ExpandAsDelegatedOps(node, view, ())
+    declined = dtype_taken(source.meta["val"], dtypes, "copy along an axis")
+    return declined if declined is not None else ExpandAsDelegatedOps(node, view, repeats)
+
+
+def _fake(value: object) -> object:
+    if isinstance(value, (list, tuple)):
+        return [_fake(v) for v in value]
+    return value.meta["val"] if isinstance(value, torch.fx.Node) else value
+
+
+def _insert(anchor: torch.fx.Node, target, *args) -> torch.fx.Node:
+    """`target(*args)` before `anchor`, with `anchor`'s metadata and its own value."""
+    with anchor.graph.inserting_before(anchor):
+        node = anchor.graph.call_function(target, args)
+    node.meta = {**anchor.meta, "val": target(*(_fake(a) for a in args))}
+    return node
+
+
+def _cat_copies(anchor: torch.fx.Node, value: torch.fx.Node, axis: int, copies: int):
+    """`copies` copies of `value` along `axis`; each cat takes 2 to 5 distinct-enough
+    inputs (a view of `value` beside it in the first, the previous cat in later ones)."""
+    alias = _insert(anchor, aten.view.default, value, list(value.meta["val"].shape))
+    pieces = [value, alias, *[value] * (copies - 2)]
+    while len(pieces) > MAX_CAT_INPUTS:
+        head = _insert(anchor, aten.cat.default, pieces[:MAX_CAT_INPUTS], axis)
+        pieces = [head, *pieces[MAX_CAT_INPUTS:]]
+    return _insert(anchor, aten.cat.default, pieces, axis)
+
+
+def _detail(match: ExpandAsDelegatedOps) -> str:
+    if match.repeats:
+        return ", ".join(f"{n} copies along axis {axis}" for axis, n in match.repeats)
+    if (match.lifted or static_shape(match.node.args[0])) != static_shape(match.node):
+        readers = ", ".join(user.name for user in match.node.users)
+        return f"dropped: {readers} broadcast its input"
+    return "a no-op: its input is read instead" if match.lifted is None else "a view adding axes"
+
+
+def rewrite_expand(match: ExpandAsDelegatedOps) -> None:
+    """The expand becomes the (lifted) input, concatenated along each repeated axis."""
+    node = match.node
+    detail, value = _detail(match), node.args[0]
+    if match.lifted is not None:
+        value = _insert(node, aten.view.default, value, list(match.lifted))
+    for axis, copies in match.repeats:
+        value = _cat_copies(node, value, axis, copies)
+    node.replace_all_uses_with(value)
+    node.graph.erase_node(node)
+    record_applied(FOLD, node.name, detail)
+
+
+def _makes_expands(node: torch.fx.Node) -> bool:
+    """A matmul whose decomposition batches an operand with `expand` (both ranks >= 2,
+    one >= 3)."""
+    if node.op != "call_function" or node.target is not aten.matmul.default:
+        return False
+    ranks = [rank_of(a) or 0 for a in node.args[:2]]
+    return min(ranks) >= 2 and max(ranks) >= 3
+
+
+def _decomposed_first(program: ExportedProgram, table: Mapping | None) -> ExportedProgram:
+    """The program the lowering will partition, when an op it decomposes writes expands."""
+    if not table or aten.matmul.default not in table:
+        return program
+    if not any(_makes_expands(node) for node in program.graph.nodes):
+        return program
+    decomposed = program.run_decompositions(table)
+    carry_placeholder_marks(program, decomposed)
+    return decomposed
+
+
+def expands_as_delegated_ops(
+    program: ExportedProgram,
+    decomposition_table: Mapping | None,
+    broadcasting: Collection,
+    *,
+    bf16: bool,
+) -> ExportedProgram:
+    """`program`, or a rewritten copy (decomposed first where a matmul writes expands)
+    when some expand is rewritten. `broadcasting`: the ATen binary ops XNNPACK takes
+    here; `bf16`: whether XNNPACK concatenates bf16 here."""
+    match = functools.partial(
+        match_expand, dtypes=delegated_floats(bf16), broadcasting=frozenset(broadcasting)
+    )
+    candidate = _decomposed_first(program, decomposition_table)
+    rewritten = rewrite_matches_on_a_copy(candidate, match, rewrite_expand, FOLD)
+    return program if rewritten is candidate else rewritten
