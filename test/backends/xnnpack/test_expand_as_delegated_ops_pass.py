@@ -1,0 +1,287 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Grouped-query attention's repeat_kv and a broadcast causal mask run inside the delegate."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from etfold.backends.xnnpack import XnnpackPartitioner
+from etfold.backends.xnnpack._passes.expand_as_delegated_ops_pass import (
+    BROADCASTING_OPS,
+    FOLD,
+    expands_as_delegated_ops,
+)
+from etfold.decisions import collect_decisions
+from etfold.exir import to_edge_transform_and_lower
+from etfold.harness.xnnpack_runner import assert_close, lower_module_xnnpack
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """As HF Llama, SmolLM and Gemma write it."""
+    b, kv_heads, t, d = x.shape
+    x = x[:, :, None, :, :].expand(b, kv_heads, n_rep, t, d)
+    return x.reshape(b, kv_heads * n_rep, t, d)
+
+
+class Gqa(torch.nn.Module):
+    """Eager attention with 6 query heads over 2 KV heads and a [1, 1, T, T] causal mask."""
+
+    def __init__(self, dim=24, heads=6, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = torch.nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.k = torch.nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.v = torch.nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.o = torch.nn.Linear(heads * self.head_dim, dim, bias=False)
+
+    def _split(self, x, heads):
+        b, t, _ = x.shape
+        return x.view(b, t, heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x, mask):
+        b, t, _ = x.shape
+        n_rep = self.heads // self.kv_heads
+        q = self._split(self.q(x), self.heads)
+        k = repeat_kv(self._split(self.k(x), self.kv_heads), n_rep)
+        v = repeat_kv(self._split(self.v(x), self.kv_heads), n_rep)
+        scores = q @ k.transpose(2, 3) * self.head_dim**-0.5
+        scores = scores + mask.expand(b, self.heads, t, t)
+        weights = torch.softmax(scores, dim=-1)
+        return self.o((weights @ v).transpose(1, 2).reshape(b, t, -1))
+
+
+def _causal_mask(t, dtype):
+    return torch.triu(torch.full((t, t), float("-inf")), 1)[None, None].to(dtype)
+
+
+def _lower(module, inputs, *, bf16=False, upstream_entry_point=False):
+    lower = {} if upstream_entry_point else {"lower": to_edge_transform_and_lower}
+    partitioner = XnnpackPartitioner(enable_bf16=True) if bf16 else XnnpackPartitioner()
+    with collect_decisions() as decisions:
+        program, expected = lower_module_xnnpack(module, inputs, [partitioner], **lower)
+    return program, expected, [d for d in decisions if d.fold == FOLD]
+
+
+@functools.cache
+def _lowered_gqa(dtype, upstream_entry_point):
+    torch.manual_seed(0)
+    module = Gqa().to(dtype).eval()
+    inputs = (torch.randn(2, 5, 24).to(dtype), _causal_mask(5, dtype))
+    bf16 = dtype is torch.bfloat16
+    lowered = _lower(module, inputs, bf16=bf16, upstream_entry_point=upstream_entry_point)
+    return (*lowered, inputs)
+
+
+GQA_DETAILS = [
+    "3 copies along axis 2",  # repeat_kv of k
+    "3 copies along axis 2",  # repeat_kv of v
+    "a no-op: its input is read instead",  # q @ k^T batches q
+    "a no-op: its input is read instead",  # ... and k^T
+    "dropped: add broadcast its input",  # the [1, 1, T, T] mask
+    "a no-op: its input is read instead",  # weights @ v batches the weights
+    "a no-op: its input is read instead",  # ... and v
+]
+# measured: stock ExecuTorch 1.5.1 leaves 7 expand_copy and 2 unsqueeze_copy outside 4 delegates
+
+
+# the lifted attention scale's convert to the half dtype runs outside (constant work)
+SCALE_CONVERT = {"dim_order_ops._to_dim_order_copy.default": 1}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "upstream_entry_point", "delegates", "outside"),
+    [
+        (torch.float32, False, 1, {}),
+        (torch.float16, False, 1, SCALE_CONVERT),
+        # XNNPACK in executorch 1.5.1 compiles no bf16 bmm: the two stay between delegates
+        (torch.bfloat16, False, 3, {**SCALE_CONVERT, "aten.bmm.default": 2}),
+        (torch.float32, True, 1, {}),
+    ],
+    ids=["fp32", "fp16", "bf16", "fp32-upstream_entry_point"],
+)
+def test_gqa_attention_leaves_no_expand_outside(dtype, upstream_entry_point, delegates, outside):
+    program, _, decisions, _ = _lowered_gqa(dtype, upstream_entry_point)
+    assert program.delegates() == delegates and program.ops_outside() == outside
+    assert [(d.applied, d.detail) for d in decisions] == [(True, d) for d in GQA_DETAILS]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "atol"),
+    [(torch.float32, 1e-5), (torch.float16, 4e-3), (torch.bfloat16, 3e-2)],
+    ids=["fp32", "fp16", "bf16"],
+)
+def test_gqa_attention_on_the_runtime_matches_eager(dtype, atol):
+    """The expands only copy; the GEMMs differ from eager's in summation order only
+    (outputs of magnitude below 0.5: atol a few units in the dtype's last place)."""
+    program, expected, _, inputs = _lowered_gqa(dtype, False)
+    assert_close(program.run(*inputs), expected, atol=atol)
+
+
+class RepeatAndMask(torch.nn.Module):
+    """Only copies and exact elementwise ops: the runtime equals eager bit for bit."""
+
+    def __init__(self, n_rep=3):
+        super().__init__()
+        self.n_rep = n_rep
+
+    def forward(self, k, scores, mask):
+        b, h, t, _ = scores.shape
+        return repeat_kv(k + k, self.n_rep), scores + mask.expand(b, h, t, t)
+
+
+@pytest.mark.parametrize("n_rep", [3, 7], ids=["one-cat", "chained-cats"])
+def test_repeat_kv_and_mask_are_bit_exact(n_rep):
+    gen = torch.Generator().manual_seed(n_rep)
+    k, scores = (
+        torch.randn(2, 2, 5, 4, generator=gen),
+        torch.randn(2, 2 * n_rep, 5, 5, generator=gen),
+    )
+    inputs = (k, scores, _causal_mask(5, torch.float32))
+    program, expected, decisions = _lower(RepeatAndMask(n_rep), inputs)
+    assert program.delegates() == 1 and not program.ops_outside()
+    assert [d.detail for d in decisions] == [
+        f"{n_rep} copies along axis 2",
+        "dropped: add_1 broadcast its input",
+    ]
+    actual = program.run(*inputs)
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+
+
+class Generated(torch.nn.Module):
+    """`x` expanded to `shape` twice: read by an add (dropped) and by a reshape (copies)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = shape
+
+    def forward(self, x, y):
+        return x.expand(self.shape) + y, (x * 2).expand(self.shape).reshape(-1)
+
+
+@settings(max_examples=3)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=2, max_size=4),
+    repeats=st.lists(st.integers(2, 7), min_size=1, max_size=2),
+    leading=st.booleans(),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_generated_expands_join_the_delegate_bit_for_bit(shape, repeats, leading, dtype):
+    source = list(shape)
+    out = list(shape)
+    for i, n in enumerate(repeats):
+        source[i], out[i] = 1, n
+    out = [2, *out] if leading else out
+    gen = torch.Generator().manual_seed(len(out))
+    inputs = tuple(torch.randn(s, generator=gen).to(dtype) for s in (source, out))
+    program, expected, decisions = _lower(Generated(out), inputs, bf16=dtype is torch.bfloat16)
+    assert "aten.expand_copy.default" not in program.ops_outside()
+    assert len(decisions) == 2 and all(d.applied for d in decisions)
+    actual = program.run(*inputs)
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+
+
+# ---- declines: the program comes back as it was, the reason recorded
+
+ALL_BROADCASTING = tuple(BROADCASTING_OPS)
+
+
+def _declined(module, inputs, *, bf16=False, **export_kwargs) -> list[str]:
+    program = torch.export.export(module, inputs, **export_kwargs)
+    with collect_decisions() as decisions:
+        assert expands_as_delegated_ops(program, None, ALL_BROADCASTING, bf16=bf16) is program
+    return [d.detail for d in decisions if d.fold == FOLD and not d.applied]
+
+
+class Copies(torch.nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = shape
+
+    def forward(self, x):
+        return x.expand(self.shape).reshape(-1)
+
+
+def test_declines_when_the_shape_is_dynamic():
+    batch = torch.export.Dim("batch", min=2, max=8)
+
+    class Dynamic(torch.nn.Module):
+        def forward(self, x):
+            return x.expand(x.shape[0], 3, 4).reshape(-1)
+
+    reasons = _declined(Dynamic(), (torch.randn(2, 1, 4),), dynamic_shapes=({0: batch},))
+    assert reasons == ["dynamic shape: the copies are not known when lowering"]
+
+
+def test_declines_when_the_result_is_empty():
+    reasons = _declined(Copies([0, 3, 4]), (torch.randn(0, 1, 4),))
+    assert reasons == ["empty result [0, 3, 4]: XNNPACK takes no empty tensors"]
+
+
+def test_declines_when_the_rank_exceeds_xnnpacks():
+    reasons = _declined(Copies([1, 1, 1, 1, 1, 3, 2]), (torch.randn(1, 2),))
+    assert reasons == ["rank 7 result: XNNPACK holds at most 6 dims"]
+
+
+def test_declines_integer_copies():
+    reasons = _declined(Copies([3, 4]), (torch.arange(4).reshape(1, 4),))
+    assert reasons == ["torch.int64 copy along an axis: XNNPACK takes float16/float32 for it here"]
+
+
+def test_declines_bf16_copies_where_bf16_is_not_enabled():
+    reasons = _declined(Copies([3, 4]), (torch.randn(1, 4).bfloat16(),))
+    assert reasons == [
+        "torch.bfloat16 copy along an axis: XNNPACK takes float16/float32 for it here"
+    ]
+
+
+def test_declines_a_returned_no_op():
+    class Returned(torch.nn.Module):
+        def forward(self, x):
+            return x.expand(2, 4)
+
+    reasons = _declined(Returned(), (torch.randn(2, 4),))
+    assert reasons == ["a no-op the program returns: removed, it would return its input"]
+
+
+def test_declines_a_quantized_input():
+    from torch.ao.quantization.fx import _decomposed  # noqa: F401  (registers the q/dq ops)
+
+    class Dequantized(torch.nn.Module):
+        def forward(self, codes):
+            x = torch.ops.quantized_decomposed.dequantize_per_tensor(
+                codes, 0.1, 0, -128, 127, torch.int8
+            )
+            return x.expand(3, 4) + 1.0
+
+    reasons = _declined(Dequantized(), (torch.randint(-128, 128, (1, 4), dtype=torch.int8),))
+    assert reasons == ["quantized input: the copies would each need quantization"]
+
+
+def test_an_expand_that_sets_the_shape_alone_is_copied_not_dropped():
+    """`mul(e, 2.0)`: without the expand the product would keep x's shape."""
+
+    class Scaled(torch.nn.Module):
+        def forward(self, x):
+            return x.expand(3, 4) * 2.0
+
+    program = torch.export.export(Scaled(), (torch.randn(1, 4),))
+    with collect_decisions() as decisions:
+        rewritten = expands_as_delegated_ops(program, None, ALL_BROADCASTING, bf16=False)
+    assert [d.detail for d in decisions if d.fold == FOLD] == ["3 copies along axis 0"]
+    targets = [n.target for n in rewritten.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.expand.default not in targets
+    assert targets.count(torch.ops.aten.cat.default) == 1
+    x = torch.randn(1, 4)
+    assert torch.equal(rewritten.module()(x), Scaled()(x))
