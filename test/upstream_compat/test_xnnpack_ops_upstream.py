@@ -4,8 +4,9 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""Upstream's XNNPACK op tests for `_to_copy`, GELU and conv1d, run in place from the
-executorch wheel with etfold's lowering substituted at the narrowest points:
+"""Upstream's XNNPACK op tests for `_to_copy`, GELU, conv1d, and the ops etfold's
+exact rewrites produce (mean, mul, slice, cat), run in place from the executorch
+wheel with etfold's lowering substituted at the narrowest points:
 
 - the harness stage's `to_edge_transform_and_lower` -> etfold's;
 - the XNNPACK tester's default `XnnpackPartitioner` -> etfold's;
@@ -13,7 +14,8 @@ executorch wheel with etfold's lowering substituted at the narrowest points:
   -> etfold's.
 
 A test left out below is a deliberate difference, documented in CONTRIBUTING.md
-under "Deliberate differences from upstream".
+under "Deliberate differences from upstream". The rewrites' modules run in full
+in the long profile; `make test` runs one fp32 and one fp16 test of each.
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ MODULES = {
     f"{OPS}.test_to_copy": "TestChannelsLastTaggedReshapePass",
     f"{OPS}.test_gelu": "TestGelu",
     f"{OPS}.test_conv1d": "TestConv1d",
+    f"{OPS}.test_mean_dim": "TestMeanDim",
+    f"{OPS}.test_multiply": "TestMul",
+    f"{OPS}.test_slice_copy": "TestSliceCopy",
+    f"{OPS}.test_cat": "TestCat",
+}
+# modules whose other tests run in the long profile only
+SAMPLED = {
+    "test_mean_dim": {"test_fp32_mean_dim", "test_fp16_mean_dim"},
+    "test_multiply": {"test_fp32_mul", "test_fp16_mul"},
+    "test_slice_copy": {"test_fp32_slice_copy", "test_fp16_slice_copy"},
+    "test_cat": {"test_fp32_cat3", "test_fp16_cat3"},
 }
 # what each module may have imported for itself -> etfold's replacement
 REPLACEMENTS = {"XnnpackPartitioner": XnnpackPartitioner, "constant_prop_pass": constant_prop_pass}
@@ -43,6 +56,10 @@ DELIBERATE = {
         "deliberate difference: XNNPACK has no fp16 GELU; etfold delegates it computed in fp32 "
         "between two converts, the test asserts upstream leaves it on portable kernels"
     ),
+    "test_mean_dim::test_fp32_mean_dim_unsupported": (
+        "deliberate difference: a mean over the last dim alone is the 4-D mean over the last "
+        "two of a view (exact); etfold delegates it, the test asserts it stays outside"
+    ),
 }
 
 
@@ -50,8 +67,11 @@ def _cases():
     for module_name, class_name in MODULES.items():
         case_class = getattr(importlib.import_module(module_name), class_name)
         for name in unittest.TestLoader().getTestCaseNames(case_class):
-            test_id = f"{module_name.rsplit('.', 1)[1]}::{name}"
+            short_name = module_name.rsplit(".", 1)[1]
+            test_id = f"{short_name}::{name}"
             marks = [pytest.mark.skip(reason=DELIBERATE[test_id])] if test_id in DELIBERATE else []
+            if short_name in SAMPLED and name not in SAMPLED[short_name]:
+                marks.append(pytest.mark.long)
             yield pytest.param(module_name, class_name, name, id=test_id, marks=marks)
 
 
