@@ -53,9 +53,8 @@ from torch.export import ExportedProgram
 
 from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
 from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
+    poolable_shape,
     rank_fits,
-    static_nonempty_shape,
-    viewable,
 )
 from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
@@ -152,11 +151,8 @@ def match_layer_norm(
     )
     if declined is not None:
         return declined
-    shape = static_nonempty_shape(source)
-    if isinstance(shape, Declined):
+    if isinstance(shape := poolable_shape(source), Declined):
         return shape
-    if (declined := viewable(source)) is not None:
-        return declined
     eps = _argument(node, 4, 1e-5)
     return LayerNormOverLastDim(node, source, _argument(node, 2), _argument(node, 3), eps)
 

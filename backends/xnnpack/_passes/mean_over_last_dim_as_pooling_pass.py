@@ -106,6 +106,15 @@ def viewable(source: torch.fx.Node) -> Declined | None:
     return None
 
 
+def poolable_shape(source: torch.fx.Node) -> tuple[int, ...] | Declined:
+    """The shape of a value whose last dim the [N, 1, 1, C] pooling view can reduce, or why not."""
+    shape = static_nonempty_shape(source)
+    if isinstance(shape, Declined):
+        return shape
+    declined = viewable(source)
+    return shape if declined is None else declined
+
+
 def match_mean_over_last_dim(
     node: torch.fx.Node, dtypes: Collection[torch.dtype]
 ) -> MeanOverLastDim | Declined | None:
@@ -127,11 +136,9 @@ def match_mean_over_last_dim(
     )
     if declined is not None:
         return declined
-    shape = static_nonempty_shape(source)
+    shape = poolable_shape(source)
     if isinstance(shape, Declined):
         return shape
-    if (declined := viewable(source)) is not None:
-        return declined
     return MeanOverLastDim(node, math.prod(shape[:-1]), shape[-1])
 
 
