@@ -4,7 +4,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""Compute half-precision ops that have no accurate kernel in fp32, between two converts.
+"""Compute half-precision ops that have no accurate (or no XNNPACK) kernel in fp32,
+between two converts.
 
     y = op(x, w, ...)                    x, w, y: float16 or bfloat16
       -> y = to_half(op(to_fp32(x), to_fp32(w), ...))
@@ -15,12 +16,16 @@ the executorch 1.5.1 runtime, widths 256-1024; PyTorch's own CPU kernels compute
 these ops in fp32 and round once, so the widened form is the function eager
 computes). The converts of activations are delegated as XNNPACK converts; the
 widened op runs in fp32 on XNNPACK when it takes it there, else on portable
-kernels, which are accurate in fp32. Runs on the ATen program, before
-decomposition.
+kernels, which are accurate in fp32. bf16 batched matmul and mean have no
+XNNPACK kernel here, so each would split the delegate; widened, they join it
+(the mean through the pass that writes it as pooling, which runs after this one).
+Runs on the ATen program, before decomposition: a batched matmul is still one
+`matmul` node here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +34,7 @@ from torch.export import ExportedProgram
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import convert_every_use, insert_to_copy
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_shapes import rank_of
 
 FOLD = "xnnpack.widen_half_precision_ops"
 
@@ -40,6 +46,16 @@ _HALF = frozenset({torch.float16, torch.bfloat16})
 class WideningRule:
     dtypes: frozenset[torch.dtype]
     why: str
+    # where the op is widened at all; None: everywhere (a node outside is not a match)
+    only_where: Callable[[torch.fx.Node], bool] | None = None
+
+
+def batched_on_both_sides(node: torch.fx.Node) -> bool:
+    """A matmul whose two operands both have rank >= 3: what ATen decomposes into `bmm`
+    (with one operand of rank <= 2 it folds the batch into an `mm`, which XNNPACK runs
+    in bf16)."""
+    ranks = [rank_of(a) for a in node.args[:2]]
+    return None not in ranks and min(ranks) >= 3
 
 
 # measured max |error| vs fp32 eager at width 1024 (fp16 / bf16), PyTorch eager in brackets
@@ -49,6 +65,16 @@ _CUMSUM = "portable kernel accumulates in half (cumsum: 3.4 / 30 [0.25 / 2.1])"
 _SOFTMAX = (
     "XNNPACK's fp16 softmax is 3.5x less accurate than eager (0.0034 [0.001]); "
     "its bf16 softmax does not compile"
+)
+_BF16 = frozenset({torch.bfloat16})  # their fp16 forms compile and run on XNNPACK
+# bf16 vs fp32 eager at width 1024: widened [eager bf16]; one bf16 rounding either way
+_BMM = (
+    "XNNPACK's bf16 bmm does not compile, so attention's q @ k^T and p @ v split the "
+    "delegate (widened: 0.25, bit for bit eager's [0.25])"
+)
+_MEAN = (
+    "XNNPACK's bf16 mean does not compile, so RMSNorm's mean of x^2 splits the delegate "
+    "(widened: 0.0039, one bf16 ulp from eager [0.0040])"
 )
 
 WIDENED_OPS: dict[torch._ops.OpOverload, WideningRule] = {
@@ -61,14 +87,16 @@ WIDENED_OPS: dict[torch._ops.OpOverload, WideningRule] = {
     aten.gelu.default: WideningRule(
         frozenset({torch.float16}), "XNNPACK has no fp16 GELU; upstream leaves it to portable"
     ),
+    aten.matmul.default: WideningRule(_BF16, _BMM, only_where=batched_on_both_sides),
+    aten.bmm.default: WideningRule(_BF16, _BMM),
+    aten.mean.dim: WideningRule(_BF16, _MEAN),
 }
 
 
 @dataclass(frozen=True)
 class HalfPrecisionOp:
     node: torch.fx.Node
-    dtype: torch.dtype
-    widened: tuple[torch.fx.Node, ...]  # the tensor arguments in `dtype`, converted to fp32
+    dtype: torch.dtype  # its tensor arguments in this dtype are converted to fp32
     rule: WideningRule
 
 
@@ -99,6 +127,8 @@ def other_tensors_are_half_or_fp32(node: torch.fx.Node, dtype: torch.dtype) -> b
 def match_half_precision_op(node: torch.fx.Node) -> HalfPrecisionOp | Declined | None:
     """None for ops outside the table or not in a widened dtype (nothing worth recording)."""
     rule = WIDENED_OPS.get(node.target) if node.op == "call_function" else None
+    if rule is not None and rule.only_where is not None and not rule.only_where(node):
+        return None
     source = _tensor_meta(node.args[0]) if rule is not None and node.args else None
     if rule is None or (source is not None and source.dtype not in rule.dtypes):
         return None
@@ -113,10 +143,7 @@ def match_half_precision_op(node: torch.fx.Node) -> HalfPrecisionOp | Declined |
         )
     if not other_tensors_are_half_or_fp32(node, dtype):
         return Declined(f"a tensor argument is neither {dtype} nor float32")
-    half_args = tuple(
-        dict.fromkeys(a for a in _tensor_args(node) if _tensor_meta(a).dtype is dtype)
-    )
-    return HalfPrecisionOp(node, dtype, half_args, rule)
+    return HalfPrecisionOp(node, dtype, rule)
 
 
 def _fake(value):
@@ -125,8 +152,11 @@ def _fake(value):
 
 def rewrite_half_precision_op(match: HalfPrecisionOp) -> None:
     node, graph = match.node, match.node.graph
+    # read now, not when matched: a widened op before this one (softmax before the
+    # matmul reading it) has put its narrowing convert between them since
+    half_args = dict.fromkeys(a for a in _tensor_args(node) if _tensor_meta(a).dtype is match.dtype)
     with graph.inserting_before(node):
-        for source in match.widened:
+        for source in half_args:
             node.replace_input_with(source, insert_to_copy(graph, source, dtype=torch.float32))
     args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _fake)
     node.meta["val"] = node.target(*args, **kwargs)
