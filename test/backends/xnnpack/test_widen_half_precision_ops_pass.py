@@ -286,3 +286,74 @@ def test_fp16_encoder_at_hidden_384_matches_fp32_eager_where_stock_gives_nan():
     assert not output.isnan().any() and etfold.ops_outside()["aten.gelu.default"] == 0
     # XNNPACK's fp16 GEMMs round differently from eager's: within twice eager's own fp16 error
     assert _error([output], expected) <= 2 * eager_half_error
+
+
+class AttentionBlock(torch.nn.Module):
+    """A Llama-style pre-norm attention block written out: RMSNorm's mean of x^2, then
+    `softmax(q @ k^T) @ v`, all in the module's dtype."""
+
+    def __init__(self, width: int = 64, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.norm_weight = torch.nn.Parameter(torch.rand(width) + 0.5)
+        self.qkv = torch.nn.Linear(width, 3 * width, bias=False)
+        self.out = torch.nn.Linear(width, width, bias=False)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm_weight
+        q, k, v = (
+            t.view(batch, length, self.heads, -1).transpose(1, 2)
+            for t in self.qkv(h).split(width, -1)
+        )
+        scores = q @ k.transpose(-2, -1) / (width // self.heads) ** 0.5
+        context = torch.softmax(scores, -1) @ v
+        return x + self.out(context.transpose(1, 2).reshape(batch, length, width))
+
+
+@functools.cache
+def _bf16_attention_block():
+    """The block in bf16 lowered with bf16 enabled, its input, eager bf16 and fp32 outputs."""
+    torch.manual_seed(0)
+    block = AttentionBlock().eval().to(torch.bfloat16)
+    inputs = (torch.randn(1, 8, 64).to(torch.bfloat16),)
+    fp32 = eager_outputs(copy.deepcopy(block).float(), (inputs[0].float(),))
+    with collect_decisions() as decisions:
+        lowered = _lower(block, inputs, XnnpackPartitioner(enable_bf16=True))
+    eager = [e.float() for e in eager_outputs(block, inputs)]
+    return lowered, inputs, eager, fp32, tuple(decisions)
+
+
+def test_bf16_attention_and_rms_norm_lower_as_one_delegate_close_to_eager():
+    lowered, inputs, eager, fp32, decisions = _bf16_attention_block()
+    widened = [d.where for d in decisions if d.fold == FOLD and d.applied]
+    assert sorted(widened) == ["matmul", "matmul_1", "mean", "softmax"]
+    outside = lowered.ops_outside()
+    assert lowered.delegates() == 1
+    assert outside["aten.bmm.default"] == 0 and outside["aten.mean.dim"] == 0
+    output = lowered.run(*inputs)
+    # XNNPACK's bf16 GEMMs accumulate in another order than eager's, which may flip the
+    # rounding of the final bf16 residual add: one bf16 ulp at the output's magnitude
+    ulp = 2.0 ** (torch.floor(torch.log2(eager[0].abs().max())).item() - 7)
+    assert _error(output, eager) <= ulp
+    assert _error(output, fp32) <= _error(eager, fp32)
+
+
+@pytest.mark.parametrize(
+    "dtype,shapes",
+    [
+        (torch.bfloat16, [(2, 8, 64), (64, 32)]),  # folds into an mm, which runs in bf16
+        (torch.float16, [(1, 4, 8, 16), (1, 4, 16, 8)]),  # XNNPACK's fp16 bmm compiles
+    ],
+)
+def test_matmuls_with_a_kernel_in_their_dtype_are_left_alone(dtype, shapes):
+    class MatMul(torch.nn.Module):
+        def forward(self, a, b):
+            return a @ b
+
+    inputs = tuple(torch.randn(shape).to(dtype) for shape in shapes)
+    program = torch.export.export(MatMul(), inputs)
+    before = str(program.graph)
+    with collect_decisions() as decisions:
+        assert widen_half_precision_ops(program) is program
+    assert str(program.graph) == before and not decisions
