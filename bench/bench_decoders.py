@@ -1,0 +1,356 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Production-size models on XNNPACK: stock ExecuTorch vs etfold, lowering cost and runtime.
+
+    .venv/bin/python bench/bench_decoders.py [--models smollm2_360m,wav2vec2_large]
+        [--dtypes bf16,fp32] [--layers N] [--runs N] [--budget SECONDS]
+
+The default runs every model at full size: smollm2_360m in bf16 and fp32, wav2vec2_large
+in fp32 (fp16 on request: `--dtypes bf16,fp32,fp16`). `--layers 2` is the quick run.
+
+Models (random weights, seeded; configs written below, nothing downloaded):
+  smollm2_360m    transformers Llama with SmolLM2-360M's shape: 32 layers, hidden 960,
+                  intermediate 2560, 15 heads / 5 KV heads, vocab 49152, rope_theta 1e5,
+                  tied embeddings, sdpa; `input_ids (1, 32) -> logits`, no KV cache
+  wav2vec2_large  transformers Wav2Vec2Model with wav2vec2-large-lv60's shape: hidden 1024,
+                  24 layers, 16 heads, intermediate 4096, 7-conv layer-norm feature
+                  extractor, stable layer norm, weight_norm positional conv (kernel 128,
+                  16 groups); 1 s of 16 kHz audio -> last hidden state; fp32 only
+`--layers N` sets the transformer layer count of every model.
+
+Stock: upstream `executorch.exir.to_edge_transform_and_lower` with upstream
+`XnnpackPartitioner`; etfold: `etfold.exir.to_edge_transform_and_lower` with etfold's
+`XnnpackPartitioner`; both with `enable_bf16=True` for bf16 rows. Each lowering runs in
+its own child process (forkserver, torch and ExecuTorch preloaded, one at a time), which
+builds and exports the model, resets its peak RSS (`5 > /proc/self/clear_refs`), lowers,
+and reads VmHWM from /proc/self/status.
+
+Columns (stock / etfold in each):
+  delegates        XNNPACK delegate calls in the lowered program
+  outside          ops left outside delegates (memory-planning `alloc` not counted); the
+                   top ones by name on the line below
+  runtime ms       median per call on the XNNPACK runtime (one thread), stock, etfold and
+                   eager torch (one thread) timed interleaved in this process, for
+                   --budget seconds and at least --runs rounds
+  e/s              etfold/stock runtime ratio per round: median (p10-p90)
+  lower s (cpu)    wall seconds of to_edge_transform_and_lower + to_executorch (export
+                   excluded), and in brackets the child's CPU seconds over the same span (what
+                   a busy machine does not inflate); one lowering per flavour, a single pair
+  peak GB          the child's peak RSS from the start of lowering to the .pte bytes, and in
+                   brackets its growth over the RSS when lowering started (model + export)
+  err dtype        max |runtime - eager| against eager in the model's dtype
+  err fp32         max |runtime - eager| against eager of the same weights in fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import tempfile
+import time
+import warnings
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from etfold.demo_models.mixed_precision_decoders import LogitsOnly, token_ids
+from etfold.harness.timing import time_interleaved
+from etfold.harness.xnnpack_runner import eager_outputs, max_abs_error
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRELOAD = ["torch", "transformers", "executorch.exir", "etfold.exir", "etfold.backends.xnnpack"]
+
+
+def smollm2_360m(layers: int):
+    """SmolLM2-360M's shape, random weights, fp32; 32 token ids."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=960,
+        intermediate_size=2560,
+        num_hidden_layers=layers or 32,
+        num_attention_heads=15,
+        num_key_value_heads=5,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LogitsOnly(LlamaForCausalLM(config).eval()).eval(), (token_ids(49152, 32),)
+
+
+class HiddenStatesOnly(torch.nn.Module):
+    """`waveform -> last_hidden_state`, one tensor out."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_values: torch.Tensor) -> torch.Tensor:
+        return self.model(input_values).last_hidden_state
+
+
+def wav2vec2_large(layers: int):
+    """wav2vec2-large-lv60's shape, random weights, fp32; 1 s of 16 kHz audio."""
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    config = Wav2Vec2Config(
+        hidden_size=1024,
+        num_hidden_layers=layers or 24,
+        num_attention_heads=16,
+        intermediate_size=4096,
+        hidden_act="gelu",
+        conv_dim=(512,) * 7,
+        conv_stride=(5, 2, 2, 2, 2, 2, 2),
+        conv_kernel=(10, 3, 3, 3, 3, 2, 2),
+        conv_bias=True,
+        feat_extract_norm="layer",
+        feat_extract_activation="gelu",
+        do_stable_layer_norm=True,
+        num_conv_pos_embeddings=128,
+        num_conv_pos_embedding_groups=16,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    audio = torch.randn(1, 16000, generator=torch.Generator().manual_seed(1))
+    return HiddenStatesOnly(Wav2Vec2Model(config).eval()).eval(), (audio,)
+
+
+MODELS = {"smollm2_360m": smollm2_360m, "wav2vec2_large": wav2vec2_large}
+FP32_ONLY = {"wav2vec2_large"}
+
+
+def build(model: str, dtype: torch.dtype, layers: int):
+    """The seeded model in `dtype` (built in fp32, then cast) and its inputs."""
+    module, inputs = MODELS[model](layers)
+    return module.to(dtype), inputs
+
+
+def _rss_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _child_init() -> None:
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore", FutureWarning)  # pytree deprecations, once per pickle
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """What one lowering child reports."""
+
+    pte: str
+    delegates: int
+    outside: dict[str, int]
+    seconds: float
+    cpu_seconds: float
+    peak_kb: int
+    start_kb: int
+
+
+def lower_in_child(flavour: str, model: str, dtype_name: str, layers: int, pte: str) -> Lowered:
+    """Build, export, lower and serialize in this (child) process; peak RSS from lowering on."""
+    from etfold.harness.inspection import delegate_count, ops_outside_delegates
+
+    module, inputs = build(model, DTYPES[dtype_name], layers)
+    program = torch.export.export(module, inputs)
+    lower, partitioner = _flavour(flavour, dtype_name)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
+    start_kb = _rss_kb("VmRSS")
+    start, cpu = time.perf_counter(), time.process_time()
+    edge = lower(program, partitioner=[partitioner])
+    graph = edge.exported_program()
+    delegates, outside = delegate_count(graph), ops_outside_delegates(graph)
+    buffer = edge.to_executorch().buffer
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    peak_kb = _rss_kb("VmHWM")
+    Path(pte).write_bytes(buffer)
+    return Lowered(pte, delegates, dict(outside), seconds, cpu, peak_kb, start_kb)
+
+
+def _flavour(flavour: str, dtype_name: str):
+    """(entry point, partitioner) of a flavour, as shipped."""
+    kwargs = {"enable_bf16": True} if dtype_name == "bf16" else {}
+    if flavour == "stock":
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+        from executorch.exir import to_edge_transform_and_lower
+    else:
+        from etfold.backends.xnnpack import XnnpackPartitioner
+        from etfold.exir import to_edge_transform_and_lower
+    return to_edge_transform_and_lower, XnnpackPartitioner(**kwargs)
+
+
+def lower_both(model: str, dtype_name: str, layers: int, workdir: str) -> dict[str, Lowered]:
+    """Stock then etfold, each in a fresh child, never two at once."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    lowered = {}
+    for flavour in ("stock", "etfold"):
+        pte = str(Path(workdir) / f"{model}_{dtype_name}_{flavour}.pte")
+        with ProcessPoolExecutor(1, mp_context=context, initializer=_child_init) as pool:
+            lowered[flavour] = pool.submit(
+                lower_in_child, flavour, model, dtype_name, layers, pte
+            ).result()
+    return lowered
+
+
+@dataclass
+class Loaded:
+    """A .pte on the wheel's runtime; the method keeps a pointer into the program."""
+
+    program: object
+    method: object
+
+    def run(self, inputs: tuple) -> list[torch.Tensor]:
+        return list(self.method.execute(inputs))
+
+
+def load(pte: str) -> Loaded:
+    from executorch.runtime import Runtime
+
+    program = Runtime.get().load_program(pte)
+    return Loaded(program, program.load_method("forward"))
+
+
+def references(model: str, dtype: torch.dtype, layers: int):
+    """(module in dtype, inputs, eager outputs in dtype, eager outputs in fp32)."""
+    module, inputs = build(model, torch.float32, layers)
+    fp32 = eager_outputs(module, inputs)
+    module = module.to(dtype)
+    return module, inputs, eager_outputs(module, inputs), fp32
+
+
+def _errors(outputs: list[torch.Tensor], in_dtype: list, fp32: list) -> tuple[float, float]:
+    return max_abs_error(outputs, in_dtype), max_abs_error([o.float() for o in outputs], fp32)
+
+
+def _eager_call(module: torch.nn.Module, inputs: tuple):
+    def call():
+        with torch.inference_mode():
+            module(*inputs)
+
+    return call
+
+
+def _outside(outside: dict[str, int]) -> Counter[str]:
+    """Ops outside delegates, memory-planning `alloc` not counted."""
+    return Counter({op: n for op, n in outside.items() if op != "alloc"})
+
+
+def _top_ops(outside: dict[str, int], top: int) -> str:
+    counts = _outside(outside)
+    shown = [f"{op.removeprefix('aten.')} x{n}" for op, n in counts.most_common(top)]
+    rest = sum(counts.values()) - sum(n for _, n in counts.most_common(top))
+    return ", ".join(shown + ([f"+{rest} more"] if rest else [])) or "-"
+
+
+def _pair(stock, etfold, spec: str) -> str:
+    return f"{stock:{spec}} / {etfold:{spec}}"
+
+
+HEADER = (
+    f"{'model':14} {'dtype':5} | {'delegates':>9} | {'outside':>9} | "
+    f"{'runtime ms s / e / eager':>26} | {'e/s (p10-p90)':>17} | {'lower s (cpu)':>29} | "
+    f"{'peak GB (+growth)':>27} | {'err dtype':>17} | {'err fp32':>17}"
+)
+
+
+def bench_row(model: str, dtype_name: str, args, workdir: str) -> str:
+    """One model in one dtype: lower both flavours in children, then check and time here."""
+    lowered = lower_both(model, dtype_name, args.layers, workdir)
+    module, inputs, in_dtype, fp32 = references(model, DTYPES[dtype_name], args.layers)
+    loaded = {flavour: load(row.pte) for flavour, row in lowered.items()}
+    errors = {flavour: _errors(p.run(inputs), in_dtype, fp32) for flavour, p in loaded.items()}
+    runs = {flavour: (lambda p=p: p.run(inputs)) for flavour, p in loaded.items()}
+    timing = time_interleaved(
+        {**runs, "eager": _eager_call(module, inputs)},
+        budget_s=args.budget,
+        min_rounds=args.runs,
+        warmup=1,
+    )
+    s, e = lowered["stock"], lowered["etfold"]
+    outside = (
+        f"outside, stock: {_top_ops(s.outside, args.top)}; etfold: {_top_ops(e.outside, args.top)}"
+    )
+    scale = f"({timing.rounds} rounds; |eager fp32| max {_max_abs(fp32):.3g})"
+    return "\n".join(
+        [f"{model:14} {dtype_name:5} | {_cells(lowered, errors, timing)}", _INDENT + outside]
+        + [_INDENT + scale]
+    )
+
+
+_INDENT = " " * 21
+
+
+def _cells(lowered: dict[str, Lowered], errors: dict, timing) -> str:
+    """The columns after model and dtype."""
+    s, e = lowered["stock"], lowered["etfold"]
+    ms, ratio = timing.milliseconds, timing.ratios[("stock", "etfold")]
+    gb = {f: (r.peak_kb / 2**20, (r.peak_kb - r.start_kb) / 2**20) for f, r in lowered.items()}
+    return " | ".join(
+        [
+            _pair(s.delegates, e.delegates, ">3"),
+            _pair(_outside(s.outside).total(), _outside(e.outside).total(), ">3"),
+            f"{ms['stock'].median:8.1f} / {ms['etfold'].median:6.1f} / {ms['eager'].median:6.1f}",
+            f"{ratio.median:5.2f} ({ratio.p10:.2f}-{ratio.p90:.2f})",
+            " / ".join(f"{r.seconds:5.1f} ({r.cpu_seconds:5.1f})" for r in (s, e)),
+            " / ".join(f"{gb[f][0]:5.2f} ({gb[f][1]:+.2f})" for f in ("stock", "etfold")),
+            _pair(errors["stock"][0], errors["etfold"][0], "7.2g"),
+            _pair(errors["stock"][1], errors["etfold"][1], "7.2g"),
+        ]
+    )
+
+
+def _max_abs(outputs: list[torch.Tensor]) -> float:
+    return max(float(o.abs().max()) for o in outputs)
+
+
+def _rows(args) -> list[tuple[str, str]]:
+    """(model, dtype) pairs asked for; fp32-only models skip the other dtypes."""
+    return [
+        (model, dtype)
+        for model in args.models.split(",")
+        for dtype in args.dtypes.split(",")
+        if dtype == "fp32" or model not in FP32_ONLY
+    ]
+
+
+def main() -> None:
+    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--dtypes", default="bf16,fp32")
+    parser.add_argument("--layers", type=int, default=0, help="layer count (0: the model's own)")
+    parser.add_argument("--runs", type=int, default=5, help="at least this many timing rounds")
+    parser.add_argument("--budget", type=float, default=10.0, help="timing seconds per row")
+    parser.add_argument("--top", type=int, default=4, help="ops outside named per flavour")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    _unsafe_reset_threadpool(1)  # single-threaded runtime: ratios independent of core count
+    layers = f"{args.layers} layers" if args.layers else "full size"
+    print(f"stock / etfold in each column ({layers}); e/s = etfold/stock runtime per round")
+    print(HEADER)
+    print("-" * len(HEADER))
+    with tempfile.TemporaryDirectory(prefix="bench_decoders_") as workdir:
+        for model, dtype_name in _rows(args):
+            start = time.perf_counter()
+            print(bench_row(model, dtype_name, args, workdir), flush=True)
+            print(f"{_INDENT}(row wall time {time.perf_counter() - start:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
