@@ -15,9 +15,10 @@ default, `--layers 2` for the quick run, `--layers full` for the models' own 32 
 Why 4: the lowering, not the runtime, sets the cost. Full-size smollm2_360m bf16 lowered
 in 631 CPU s (stock) and 325 CPU s (etfold), its row took 21 min wall beside another job,
 so `--layers full` (six lowerings) takes most of an hour on 2 cores, over the 15-minute
-target even for that one row; at 2 layers a lowering takes about 30 CPU s and the whole
-run 7 min wall beside another job. Ops outside and delegates repeat per layer, so a few
-layers show every pattern a full-size model has; latency, lowering time and RSS grow with the count.
+target even for that one row. The default run took 6 min 45 s wall beside another job
+(lowerings 37-54 CPU s each), the `--layers 2` run 7 min 14 s beside a heavier one. Ops
+outside and delegates repeat per layer, so a few layers show every pattern a full-size
+model has; latency, lowering time and RSS grow with the count.
 
 Models (random weights, seeded; configs written below, nothing downloaded):
   smollm2_360m    transformers Llama with SmolLM2-360M's shape: 32 layers, hidden 960,
