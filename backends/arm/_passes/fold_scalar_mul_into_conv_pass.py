@@ -67,7 +67,10 @@ from etfold.backends.arm._passes.conv_arguments import (
     set_conv_argument,
 )
 from etfold.backends.arm._passes.layout_axes import axis_after_layout_op, is_layout
-from etfold.backends.arm._passes.npu_costs import per_channel_scale_into_transposed_conv
+from etfold.backends.arm._passes.npu_costs import (
+    multiply_keeps_the_transpose,
+    per_channel_scale_into_transposed_conv,
+)
 from etfold.backends.arm._passes.op_families import is_inference_noop
 from etfold.backends.arm._passes.twin_layers import meet, twin_layers
 from etfold.decisions import Declined
@@ -450,6 +453,8 @@ class FoldScalarMulIntoConvPass(ArmPass):
             transposed
             and (costly := per_channel_scale_into_transposed_conv(channel_scale)) is not None
         ):
+            return costly
+        if (costly := multiply_keeps_the_transpose(mul)) is not None:
             return costly
         return ConvScaleMatch(
             mul=mul,

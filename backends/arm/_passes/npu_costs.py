@@ -17,7 +17,9 @@ to protect, so every rule passes there. `bench/bench_arm_npu.py` measures each.
 from __future__ import annotations
 
 import torch
+from torch.fx import Node
 
+from etfold.backends.arm._passes.layout_axes import Layout, layout_kind
 from etfold.backends.arm._passes.lowering_target import ethos_u_target
 from etfold.decisions import Declined
 
@@ -28,6 +30,28 @@ _U55_FAMILY = ("ethos-u55", "ethos-u65")
 
 def _in_u55_family(target: str) -> bool:
     return target.startswith(_U55_FAMILY)
+
+
+def multiply_keeps_the_transpose(mul: Node) -> Declined | None:
+    """On U85, a multiply a transpose reads may not fold away into its layer.
+
+    Vela gives a TRANSPOSE to the op producing its input, which then writes its
+    output in the transposed order. Unfolded the multiply takes it; folded the
+    layer would, and on U85 a conv or fully connected layer writing a transposed
+    output runs far slower (Linear(1280, 320) over 2x2 tokens, scaled and then
+    permuted to NCHW: 52,632 cycles unfolded, 3,200,570 folded). A transpose
+    between the layer and the multiply goes to the layer either way: that folds.
+    U55/U65 run the folded layer as fast as the unfolded one.
+    """
+    target = ethos_u_target()
+    if target is None or not target.startswith("ethos-u85"):
+        return None
+    if not any(layout_kind(user) in (Layout.PERMUTE, Layout.TRANSPOSE) for user in mul.users):
+        return None
+    return Declined(
+        f"on {target} a transpose reads the multiply: folded, Vela would give it to the layer, "
+        "which then writes its output transposed, far slower than the multiply it removes"
+    )
 
 
 def per_channel_scale_into_transposed_conv(channel_scale: torch.Tensor) -> Declined | None:

@@ -92,6 +92,49 @@ def test_etfold_costs_no_vela_cycles_against_stock(target):
         assert etfold.estimate.total_cycles < stock.estimate.total_cycles
 
 
+class ScaledThenPermuted(torch.nn.Module):
+    """residual + (Linear(x) * gamma).permute(0, 3, 1, 2): LayerScale before the permute back."""
+
+    def __init__(self, fan_in: int = 640, fan_out: int = 160):
+        super().__init__()
+        self.fc = torch.nn.Linear(fan_in, fan_out)
+        self.gamma = torch.nn.Parameter(torch.linspace(0.5, 1.5, fan_out))
+
+    def forward(self, x, residual):
+        return residual + self.fc(x).mul(self.gamma).permute(0, 3, 1, 2)
+
+
+def _permuted_case():
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(4)
+    samples = [
+        (
+            torch.randn(1, 4, 4, 640, generator=generator),
+            torch.randn(1, 160, 4, 4, generator=generator),
+        )
+        for _ in range(4)
+    ]
+    return ScaledThenPermuted().eval(), samples
+
+
+def test_a_multiply_a_transpose_reads_stays_on_u85_and_costs_no_cycles():
+    """Folded, this layer would write its output transposed: 14,050 -> 200,702 U85 cycles."""
+    module, samples = _permuted_case()
+    stock = lower_module_ethos_u(module, samples[0], U85, calibration=samples[1:])
+    with arm_folds_registered(), collect_decisions() as decisions:
+        etfold = lower_module_ethos_u(module, samples[0], U85, calibration=samples[1:])
+    [detail] = {d.detail for d in decisions if d.fold == FOLD}
+    assert detail.startswith(f"on {U85} a transpose reads the multiply")
+    assert etfold.estimate.total_cycles <= stock.estimate.total_cycles
+
+
+def test_a_multiply_a_transpose_reads_folds_on_u55():
+    module, samples = _permuted_case()
+    with arm_folds_registered(), collect_decisions() as decisions:
+        quantize_for_ethos_u(module, samples[0], U55, calibration=samples[1:])
+    assert [d.applied for d in decisions if d.fold == FOLD] == [True]
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     target=st.sampled_from(["ethos-u55-64", "ethos-u55-128", "ethos-u65-256", "ethos-u85-256"]),
