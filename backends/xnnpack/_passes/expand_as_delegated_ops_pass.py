@@ -50,11 +50,14 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
-from executorch.backends.xnnpack.utils.quant_utils import is_dequant
 from torch.export import ExportedProgram
 
-from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
-from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import XNN_MAX_TENSOR_DIMS
+from etfold.backends.xnnpack._passes.delegated_floats import (
+    delegated_floats,
+    dtype_taken,
+    not_quantized,
+    rank_held,
+)
 from etfold.backends.xnnpack.partition.weight_fold import carry_placeholder_marks
 from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
@@ -91,18 +94,6 @@ def _static_shapes(node: torch.fx.Node) -> tuple[tuple[int, ...], tuple[int, ...
     if 0 in out:
         return Declined(f"empty result {list(out)}: XNNPACK takes no empty tensors")
     return source, out
-
-
-def _rank_fits(rank: int) -> Declined | None:
-    if rank > XNN_MAX_TENSOR_DIMS:
-        return Declined(f"rank {rank} result: XNNPACK holds at most {XNN_MAX_TENSOR_DIMS} dims")
-    return None
-
-
-def _not_quantized(source: torch.fx.Node) -> Declined | None:
-    if is_dequant(source):
-        return Declined("quantized input: the copies would each need quantization")
-    return None
 
 
 def _operand_shape(value: object, node: torch.fx.Node, lifted: tuple[int, ...]):
@@ -146,7 +137,10 @@ def match_expand(
     if isinstance(shapes, Declined):
         return shapes
     shape, out = shapes
-    declined = first_declined(lambda: _rank_fits(len(out)), lambda: _not_quantized(source))
+    declined = first_declined(
+        lambda: rank_held(len(out), "result"),
+        lambda: not_quantized(source, "the copies would each need quantization"),
+    )
     if declined is not None:
         return declined
     lifted = (1,) * (len(out) - len(shape)) + shape

@@ -48,10 +48,13 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
-from executorch.backends.xnnpack.utils.quant_utils import is_dequant
 from torch.export import ExportedProgram
 
-from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
+from etfold.backends.xnnpack._passes.delegated_floats import (
+    delegated_floats,
+    dtype_taken,
+    not_quantized,
+)
 from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
     poolable_shape,
     rank_fits,
@@ -114,12 +117,6 @@ def only_the_output_used(node: torch.fx.Node) -> Declined | None:
     return None
 
 
-def not_quantized(source: torch.fx.Node) -> Declined | None:
-    if is_dequant(source):
-        return Declined("quantized input: the rewritten ops would each need quantization")
-    return None
-
-
 def affine_in_input_dtype(node: torch.fx.Node, dtype: torch.dtype) -> Declined | None:
     for name, index in (("weight", 2), ("bias", 3)):
         value = _fake(_argument(node, index))
@@ -144,7 +141,7 @@ def match_layer_norm(
     declined = first_declined(
         lambda: over_last_dim_only(node),
         lambda: only_the_output_used(node),
-        lambda: not_quantized(source),
+        lambda: not_quantized(source, "the rewritten ops would each need quantization"),
         lambda: dtype_taken(value, dtypes, "layer norm"),
         lambda: affine_in_input_dtype(node, value.dtype),
         lambda: rank_fits(rank, keepdim=True),

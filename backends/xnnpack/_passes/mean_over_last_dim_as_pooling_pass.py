@@ -36,8 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch.export import ExportedProgram
 
-from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
-from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import XNN_MAX_TENSOR_DIMS
+from etfold.backends.xnnpack._passes.delegated_floats import (
+    XNN_MAX_TENSOR_DIMS,
+    delegated_floats,
+    dtype_taken,
+)
 from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 from etfold.exir.passes.node_shapes import rank_of, static_shape

@@ -37,14 +37,17 @@ from dataclasses import dataclass
 import torch
 from torch.export import ExportedProgram
 
-from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
+from etfold.backends.xnnpack._passes.delegated_floats import (
+    XNN_MAX_TENSOR_DIMS,
+    delegated_floats,
+    dtype_taken,
+)
 from etfold.decisions import Declined
 from etfold.exir.passes.graph_walk import op_qualified_name, written_arguments
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 
 FOLD = "xnnpack.shape_op_as_view"
 SHAPE_OP_MARK = "etfold_shape_op_as_view"
-XNN_MAX_TENSOR_DIMS = 6
 
 aten = torch.ops.aten
 _SQUEEZES = frozenset({aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default})

@@ -32,11 +32,14 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
-from executorch.backends.xnnpack.utils.quant_utils import is_dequant
 from torch.export import ExportedProgram
 
-from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
-from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import XNN_MAX_TENSOR_DIMS
+from etfold.backends.xnnpack._passes.delegated_floats import (
+    delegated_floats,
+    dtype_taken,
+    not_quantized,
+    rank_held,
+)
 from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 from etfold.exir.passes.node_shapes import rank_of, static_shape_of_value
@@ -70,12 +73,6 @@ def _pieces_by_index(node: torch.fx.Node) -> Declined | None:
     return None
 
 
-def _quantized_input(source: torch.fx.Node) -> Declined | None:
-    if is_dequant(source):
-        return Declined("quantized input: the slices would need matching quantization each")
-    return None
-
-
 def _static_piece_sizes(node: torch.fx.Node) -> list[int] | Declined:
     pieces = node.meta.get("val")
     if not isinstance(pieces, (list, tuple)) or not pieces:
@@ -100,11 +97,10 @@ def match_split_as_slices(
     rank = rank_of(source)
     if rank is None:
         return Declined("no tensor metadata on the split's input")
-    if rank > XNN_MAX_TENSOR_DIMS:
-        return Declined(f"rank {rank} input: XNNPACK holds at most {XNN_MAX_TENSOR_DIMS} dims")
     declined = first_declined(
+        lambda: rank_held(rank, "input"),
         lambda: _pieces_by_index(node),
-        lambda: _quantized_input(source),
+        lambda: not_quantized(source, "the slices would need matching quantization each"),
         lambda: dtype_taken(source.meta["val"], dtypes, "split"),
     )
     if declined is not None:
