@@ -52,13 +52,13 @@ from dataclasses import dataclass
 import torch
 from torch.export import ExportedProgram
 
+from etfold.backends.xnnpack._passes.decomposed_first import decomposed_for
 from etfold.backends.xnnpack._passes.delegated_floats import (
     delegated_floats,
     dtype_taken,
     not_quantized,
     rank_held,
 )
-from etfold.backends.xnnpack.partition.weight_fold import carry_placeholder_marks
 from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 from etfold.exir.passes.node_shapes import rank_of, static_shape
@@ -212,17 +212,6 @@ def _makes_expands(node: torch.fx.Node) -> bool:
     return min(ranks) >= 2 and max(ranks) >= 3
 
 
-def _decomposed_first(program: ExportedProgram, table: Mapping | None) -> ExportedProgram:
-    """The program the lowering will partition, when an op it decomposes writes expands."""
-    if not table or aten.matmul.default not in table:
-        return program
-    if not any(_makes_expands(node) for node in program.graph.nodes):
-        return program
-    decomposed = program.run_decompositions(table)
-    carry_placeholder_marks(program, decomposed)
-    return decomposed
-
-
 def expands_as_delegated_ops(
     program: ExportedProgram,
     decomposition_table: Mapping | None,
@@ -236,6 +225,6 @@ def expands_as_delegated_ops(
     match = functools.partial(
         match_expand, dtypes=delegated_floats(bf16), broadcasting=frozenset(broadcasting)
     )
-    candidate = _decomposed_first(program, decomposition_table)
+    candidate = decomposed_for(program, decomposition_table, _makes_expands)
     rewritten = rewrite_matches_on_a_copy(candidate, match, rewrite_expand, FOLD)
     return program if rewritten is candidate else rewritten

@@ -48,6 +48,9 @@ from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
     means_over_last_dim_as_pooling,
 )
 from etfold.backends.xnnpack._passes.mul_scalar_as_tensor_pass import mul_scalars_as_tensors
+from etfold.backends.xnnpack._passes.safe_softmax_as_softmax_pass import (
+    safe_softmaxes_as_softmax,
+)
 from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import (
     delegated_op_names,
     shape_ops_as_views,
@@ -117,6 +120,11 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
             )
         configs, user_bf16 = self.target_partitioner_configs, self._user_enable_bf16
         bf16 = bf16_applies(exported_program, user_bf16)
+        if not self.per_op_mode and "_softmax.default" in configs:
+            # before the expands: it decomposes SDPA, whose expands that pass then sees
+            exported_program = safe_softmaxes_as_softmax(
+                exported_program, self._decomposition_table(exported_program)
+            )
         if not self.per_op_mode and set(COPY_TARGETS) <= configs.keys():
             # before the shape ops: an unsqueeze beside an expand joins no delegate
             exported_program = expands_as_delegated_ops(
