@@ -262,11 +262,11 @@ def not_returned(guard: SoftmaxGuard) -> Declined | None:
 
 
 def _mask_value(mask: object, masks: Mapping[str, torch.Tensor | Declined]):
+    """The mask's value, or why it is not known; add.Tensor's other operand is a
+    tensor or a number."""
     if isinstance(mask, Node):
         return masks.get(mask.name, Declined(f"the mask {mask.name} was not evaluated"))
-    if isinstance(mask, (int, float)) and not isinstance(mask, bool):
-        return torch.tensor(float(mask))
-    return Declined(f"the mask {mask!r} is not a tensor or a number")
+    return torch.tensor(float(mask))
 
 
 def match_safe_softmax(

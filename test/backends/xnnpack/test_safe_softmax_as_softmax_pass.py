@@ -219,6 +219,17 @@ def test_declines_a_mask_buffer_no_lowering_judged_across_methods():
     ]
 
 
+def test_declines_when_the_mask_cannot_be_computed_when_lowering():
+    class RandomMask(Attention):
+        def forward(self, x):
+            return super().forward(x, torch.randn(x.shape[1], x.shape[1]))
+
+    torch.manual_seed(0)
+    assert _declined(RandomMask(), (_tokens(),)) == [
+        "the mask randn could not be computed when lowering"
+    ]
+
+
 class SafeSoftmax(torch.nn.Module):
     """`_safe_softmax` as SDPA's decomposition calls it, of whatever `scores` gives."""
 
