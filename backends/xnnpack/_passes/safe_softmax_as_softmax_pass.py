@@ -54,7 +54,12 @@ from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.constant_prop.evaluate import evaluate_selection
 from etfold.exir.passes.constant_prop.select import select_folds
 from etfold.exir.passes.constant_prop.verdicts import EVERY_METHOD, source_verdict
-from etfold.exir.passes.graph_walk import input_kinds, placeholders, state_facts
+from etfold.exir.passes.graph_walk import (
+    StateFacts,
+    input_kinds,
+    placeholders,
+    state_facts,
+)
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 from etfold.exir.passes.node_shapes import rank_of, static_shape
 
@@ -183,8 +188,11 @@ def _ancestors(node: Node) -> set[Node]:
     return seen
 
 
-def known_when_lowering(program: ExportedProgram, cone: set[Node], facts) -> Declined | None:
-    """None when every placeholder `cone` reads holds a value known before any call."""
+def known_when_lowering(
+    program: ExportedProgram, cone: set[Node], facts: StateFacts
+) -> Declined | None:
+    """None when every placeholder in `cone` holds a value known before any call, in
+    every method (a buffer the lowering did not judge across methods is not)."""
     kinds = input_kinds(program)
     for node in placeholders(program):
         if node not in cone:
