@@ -12,9 +12,12 @@
   for a developer hunting new ones; the long fuzz profile is `make fuzz`.
 - `ETFOLD_TEST_SHUFFLE=SEED` runs the collected tests in an order shuffled by
   SEED, the check that no test leans on another having run first (CONTRIBUTING).
-- Under `make test` (`--dist loadgroup`) a file's tests run on one worker, so
-  the lowerings a file caches serve all its tests; files marked with a shared
-  `xdist_group` (those reading `lowered_demo`) run on one worker together.
+- Under `make test` (`-n 2 --dist loadgroup`) a file's tests run on one worker,
+  so the lowerings a file caches serve all its tests, and the files that read
+  `lowered_demo` run on one worker together (`FileScheduling`). The grouping is
+  decided here, from paths, in the process that schedules: pytest 9 ignores the
+  node-id suffix through which xdist 3.8 passes `xdist_group` marks, which
+  left every test to be scheduled alone.
 - Each test file starts with everything alive so far frozen out of the cyclic
   garbage collector (`gc.freeze()`, after a full collection): the half a
   million objects torch and executorch create at import, and the lowerings
@@ -31,9 +34,11 @@
 import gc
 import os
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
+from xdist.scheduler import LoadScopeScheduling
 
 from etfold.exir.program.lower import torch_speedups
 
@@ -42,16 +47,41 @@ settings.register_profile("explore", database=None, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 
+SHARED_DEMO_LOWERINGS = "demo_lowerings"
+
+
+def _files_reading_demo_lowerings(root: Path) -> frozenset[str]:
+    tests = Path(__file__).parent
+    return frozenset(
+        path.relative_to(root).as_posix()
+        for path in tests.rglob("test_*.py")
+        if "lowered_demo(" in path.read_text(encoding="utf-8")
+    )
+
+
+class FileScheduling(LoadScopeScheduling):
+    """A test file is one unit of work; the files reading `lowered_demo` are one unit."""
+
+    def __init__(self, config, log=None):
+        super().__init__(config, log)
+        self.shared = _files_reading_demo_lowerings(config.rootpath)
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return SHARED_DEMO_LOWERINGS if path in self.shared else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadgroup":
+        return FileScheduling(config, log)
+    return None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     seed = os.environ.get("ETFOLD_TEST_SHUFFLE")
     if seed:
         random.Random(seed).shuffle(items)
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(
-                pytest.mark.xdist_group(item.path.relative_to(config.rootpath).as_posix())
-            )
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -12,7 +12,7 @@ in a decline recorded during the lowering (a budget, or a reason). Every model
 `etfold report --backend xnnpack` lowers is checked (its fp32 twins, and each
 decoder's second half-precision dtype, in `make test-long`), each lowered once
 through etfold's entry point and partitioner, as the report does
-(`lowered_demo`, whose lowering other tests of the same xdist group read too).
+(`lowered_demo`, whose lowering other test files read too; one worker runs them all).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ import pytest
 
 from etfold.demo_models import catalogue, load
 from etfold.harness.demo_lowerings import lowered_demo
-
-pytestmark = pytest.mark.xdist_group("demo_lowerings")
 
 
 def _same_build(build) -> tuple:

@@ -26,7 +26,6 @@ from etfold.harness.demo_lowerings import lowered_demo
 from etfold.harness.xnnpack_runner import assert_close, lower_module_xnnpack, max_abs_error
 
 # Shares its decoder lowering with the other readers of `lowered_demo`.
-pytestmark = pytest.mark.xdist_group("demo_lowerings")
 
 CONVERT = "dim_order_ops._to_dim_order_copy"
 
@@ -122,7 +121,7 @@ def test_declines_when_a_runtime_check_reads_the_folded_values():
 
 
 def test_decoder_in_bf16_leaves_no_constant_converts_outside():
-    """The report's Llama row and its fp32 twin (`lowered_demo`, shared with its xdist group)."""
+    """The report's Llama row and its fp32 twin (`lowered_demo`, shared with the other files that read it)."""
     pytest.importorskip("transformers")
     counts = {}
     for dtype, fp32_twin in ((torch.float32, True), (torch.bfloat16, False)):

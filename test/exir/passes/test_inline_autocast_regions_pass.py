@@ -33,7 +33,6 @@ from etfold.harness.demo_lowerings import lowered_demo
 from etfold.harness.xnnpack_runner import assert_close, lower_module_xnnpack
 
 # Shares its decoder lowerings with the other readers of `lowered_demo`.
-pytestmark = pytest.mark.xdist_group("demo_lowerings")
 
 aten = torch.ops.aten
 GEMMS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default")
@@ -124,7 +123,7 @@ def test_autocast_mlp_lowers_to_one_delegate_and_matches_eager():
 
 @pytest.fixture(scope="module")
 def decoders():
-    """The report's two decoder rows, lowered once for every test of their xdist group."""
+    """The report's two decoder rows, lowered once for every test file that reads them (one worker runs those files)."""
     return {cast: lowered_demo(f"decoder_{cast}_bf16") for cast in ("autocast", "explicit")}
 
 
