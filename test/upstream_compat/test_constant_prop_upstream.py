@@ -50,8 +50,21 @@ SELECTED = {
     ),
 }
 
+# the three that lower whole programs (10-40 s each) run in the long profile only
+LONG = {
+    "test_constant_prop_pass_after_delegation",
+    "test_constant_prop_pass_for_no_grad",
+    "test_embedding_torchao",
+}
+
 CASES = [
-    pytest.param(module, cls, name, id=f"{module.rsplit('.', 1)[1]}::{name}")
+    pytest.param(
+        module,
+        cls,
+        name,
+        id=f"{module.rsplit('.', 1)[1]}::{name}",
+        marks=[pytest.mark.long] if name in LONG else [],
+    )
     for module, (cls, names) in SELECTED.items()
     for name in names
 ]

@@ -15,7 +15,8 @@ wheel with etfold's lowering substituted at the narrowest points:
 
 A test left out below is a deliberate difference, documented in CONTRIBUTING.md
 under "Deliberate differences from upstream". The rewrites' modules run in full
-in the long profile; `make test` runs one fp32 and one fp16 test of each.
+in the long profile; `make test` runs one fp32 and one fp16 test of each (and
+conv1d's plain int8 test, and every `_to_copy` test but the quantized one).
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ MODULES = {
 }
 # modules whose other tests run in the long profile only
 SAMPLED = {
+    "test_conv1d": {"test_fp32_conv1d", "test_fp16_conv1d", "test_qs8_conv1d"},
+    "test_to_copy": {
+        "test_channel_last_before_linear",
+        "test_contiguous_before_conv",
+        "test_dtype_and_memory_format_conversion",
+        "test_dtype_and_memory_format_with_linear",
+    },
     "test_mean_dim": {"test_fp32_mean_dim", "test_fp16_mean_dim"},
     "test_multiply": {"test_fp32_mul", "test_fp16_mul"},
     "test_slice_copy": {"test_fp32_slice_copy", "test_fp16_slice_copy"},
