@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch.nn.utils.parametrizations import weight_norm
 
-from etfold import cli
+from etfold import cli, report, report_workers
+from etfold.demo_models import catalogue
 
 FAST = ["--budget", "0.05", "--runs", "3", "--no-npu"]
 
@@ -232,8 +233,9 @@ def test_explain_prints_every_decision_for_a_users_program(capfd, tmp_path):
 
 def test_rows_stream_to_stdout_as_each_model_finishes():
     """Two workers: the first model's rows are out before the second model has finished
-    (stdout and stderr share one pipe, so their order is the order of writes)."""
-    models = ["--model", "conv_block", "--model", "mlp"]
+    (stdout and stderr share one pipe, so their order is the order of writes), and the
+    rows are the ones a serial run in one process gives."""
+    models = ["--model", "pos_conv_small", "--model", "mlp"]
     result = subprocess.run(
         [sys.executable, "-m", "etfold.cli", "report", *models, "--jsonl", "--jobs", "2", *FAST],
         stdout=subprocess.PIPE,
@@ -243,7 +245,7 @@ def test_rows_stream_to_stdout_as_each_model_finishes():
     )
     assert result.returncode == 0, result.stdout
     lines = result.stdout.splitlines()
-    assert lines[0] == "running: conv_block, mlp; 0 of 2 done, 0 waiting"
+    assert lines[0] == "running: pos_conv_small, mlp; 0 of 2 done, 0 waiting"
     done = [i for i, line in enumerate(lines) if line.startswith("[")]
     rows = [i for i, line in enumerate(lines) if line.startswith("{")]
     assert len(done) == 2 and len(rows) == 4, lines
@@ -251,9 +253,32 @@ def test_rows_stream_to_stdout_as_each_model_finishes():
     assert first and re.fullmatch(r"\[2/2\] \w+ \(xnnpack\) … \d+\.\d s, ok", lines[done[1]])
     assert [json.loads(lines[i])["model"] for i in rows[:2]] == [first.group(1)] * 2
     assert done[0] < rows[0] < rows[1] < done[1] < rows[2]
-    assert {(r["model"], r["flavour"]) for r in map(json.loads, (lines[i] for i in rows))} == {
-        (m, f) for m in ("conv_block", "mlp") for f in ("stock", "etfold")
+    streamed = [json.loads(lines[i]) for i in rows]
+    assert {(r["model"], r["flavour"]) for r in streamed} == {
+        (m, f) for m in ("pos_conv_small", "mlp") for f in ("stock", "etfold")
     }
+    assert all(r["timed_rounds"] >= 3 for r in streamed)
+    serial = _serial_rows(["pos_conv_small", "mlp"])
+    assert sorted(map(_deterministic, streamed)) == sorted(map(_deterministic, serial))
+    assert any(r["applied"] for r in serial if r["flavour"] == "etfold")  # decisions compared too
+
+
+def _serial_rows(names: list[str]) -> list[dict]:
+    """The rows the same models give run one after the other in this process."""
+    entries = [e for e in catalogue() if e.name in names and e.backend == "xnnpack"]
+    refs = [report_workers.ModelRef.of_entry(entry) for entry in entries]
+    options = report_workers.RunOptions(report.TimingPlan(budget_s=0.05, min_rounds=3), npu=False)
+    outcomes = []
+    report_workers.run_models(
+        refs, options, 1, started=lambda ref: None, finished=lambda ref, o, s: outcomes.extend(o)
+    )
+    return json.loads(json.dumps(report.as_json_rows(outcomes)))
+
+
+def _deterministic(row: dict) -> str:
+    """What a row must hold whichever worker, and in whichever order, made it."""
+    fields = ("model", "flavour", "delegates", "ops_outside", "pte_bytes", "applied", "declined")
+    return json.dumps([row[f] for f in (*fields, "failure")], sort_keys=True)
 
 
 def test_json_is_one_array_with_a_row_a_line(capfd, tmp_path):

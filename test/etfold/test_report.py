@@ -11,7 +11,6 @@ import json
 import re
 
 import torch
-from torch.nn.utils.parametrizations import weight_norm
 
 from etfold import cli, demo_models, report, report_workers
 from etfold.demo_models import all_models
@@ -304,56 +303,3 @@ def test_progress_on_a_terminal_rewrites_one_status_line():
         + re.escape(erase)
     ).replace(" ;", ";")
     assert re.fullmatch(pattern, terminal.getvalue()), repr(terminal.getvalue())
-
-
-class _WeightNormConv(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = weight_norm(torch.nn.Conv1d(4, 8, 3, padding=1), name="weight", dim=0)
-
-    def forward(self, x):
-        return torch.relu(self.conv(x))
-
-
-def test_parallel_workers_give_the_rows_a_serial_run_gives(tmp_path):
-    torch.manual_seed(0)
-    programs = {
-        "linears.pt2": (_weight_norm_linears(), (torch.randn(2, 8),)),
-        "conv.pt2": (_WeightNormConv().eval(), (torch.randn(1, 4, 16),)),
-    }
-    refs = []
-    for name, (module, inputs) in programs.items():
-        torch.export.save(torch.export.export(module, inputs), tmp_path / name)
-        refs.append(report_workers.ModelRef(name, "xnnpack", program=str(tmp_path / name)))
-    options = report_workers.RunOptions(report.TimingPlan(budget_s=0.05, min_rounds=3), npu=False)
-
-    def run(jobs):
-        events, rows = [], {}
-
-        def finished(ref, outcomes, _seconds):
-            events.append(("finished", ref.name))
-            rows[ref.name] = outcomes
-
-        started = lambda ref: events.append(("started", ref.name))  # noqa: E731
-        report_workers.run_models(refs, options, jobs, started=started, finished=finished)
-        return events, rows
-
-    serial_events, serial = run(1)
-    parallel_events, parallel = run(2)
-    assert [kind for kind, _ in serial_events] == ["started", "finished"] * 2
-    assert [kind for kind, _ in parallel_events[:2]] == ["started", "started"]  # both at once
-
-    def deterministic(o):
-        fields = ("delegates", "ops_outside", "pte_bytes", "applied", "declined", "failure")
-        return (o.model, o.flavour, *(getattr(o, f) for f in fields))
-
-    assert {n: list(map(deterministic, rows)) for n, rows in parallel.items()} == {
-        n: list(map(deterministic, rows)) for n, rows in serial.items()
-    }
-    assert all(o.applied for rows in serial.values() for o in rows if o.flavour == "etfold")
-    assert all(o.timed_rounds >= 3 for rows in parallel.values() for o in rows)
-
-
-def _weight_norm_linears() -> torch.nn.Module:
-    layers = [weight_norm(torch.nn.Linear(8, 8), name="weight", dim=0) for _ in range(3)]
-    return torch.nn.Sequential(*layers).eval()
