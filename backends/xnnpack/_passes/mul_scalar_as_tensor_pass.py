@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import torch
 from torch.export import ExportedProgram
 
+from etfold.backends.xnnpack._passes.decomposed_first import decomposed_for
 from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
-from etfold.backends.xnnpack.partition.weight_fold import carry_placeholder_marks
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 
@@ -104,16 +104,8 @@ def rewrite_as_mul_tensor(match: MulScalarAsTensor) -> None:
     record_applied(FOLD, match.node.name, f"times {match.node.args[1]!r} as a constant operand")
 
 
-def _decomposed_first(program: ExportedProgram, table: Mapping | None) -> ExportedProgram:
-    """The program the lowering will partition when an op it decomposes makes mul.Scalar."""
-    if not table or not any(
-        n.op == "call_function" and n.target in DECOMPOSE_INTO_MUL_SCALAR and n.target in table
-        for n in program.graph.nodes
-    ):
-        return program
-    decomposed = program.run_decompositions(table)
-    carry_placeholder_marks(program, decomposed)
-    return decomposed
+def _makes_mul_scalar(node: torch.fx.Node) -> bool:
+    return node.target in DECOMPOSE_INTO_MUL_SCALAR
 
 
 def mul_scalars_as_tensors(
@@ -124,6 +116,6 @@ def mul_scalars_as_tensors(
 
     `bf16`: whether XNNPACK takes a bf16 multiply in this lowering."""
     match = functools.partial(match_mul_scalar, dtypes=delegated_floats(bf16))
-    candidate = _decomposed_first(program, decomposition_table)
+    candidate = decomposed_for(program, decomposition_table, _makes_mul_scalar)
     rewritten = rewrite_matches_on_a_copy(candidate, match, rewrite_as_mul_tensor, FOLD)
     return program if rewritten is candidate else rewritten
