@@ -19,7 +19,11 @@ partitioner has no layer norm config, so every transformer block's norms stay
 on portable kernels and cut the delegate around them; upstream delegates each
 op above. The means have the form `mean_over_last_dim_as_pooling_pass` then
 writes as XNNPACK's 4-D pooling, so this pass runs before it and declines what
-that pass would decline (non-contiguous input, rank, empty, dynamic shape).
+that pass would decline (rank, empty, dynamic shape). An input that is not
+contiguous (a norm over the channels of a conv's output, read through a
+transpose) is first copied contiguous with `clone`: the same values, and once
+the transpose is an Edge `permute_copy` the clone keeps its dim order, which
+XNNPACK delegates as a no-op.
 
 Precision (max |error| on the executorch 1.5.1 runtime, LayerNorm(1024) with
 affine, 4 rows of N(0.5, 1); eager's own result in brackets, against float32):
@@ -56,8 +60,9 @@ from etfold.backends.xnnpack._passes.delegated_floats import (
     not_quantized,
 )
 from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
-    poolable_shape,
     rank_fits,
+    static_nonempty_shape,
+    viewable,
 )
 from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
@@ -85,6 +90,7 @@ class LayerNormOverLastDim:
     weight: torch.fx.Node | None
     bias: torch.fx.Node | None
     eps: float
+    copied: bool  # the input, not contiguous (a transpose), is copied contiguous first
 
 
 def _fake(value: object) -> object:
@@ -148,23 +154,26 @@ def match_layer_norm(
     )
     if declined is not None:
         return declined
-    if isinstance(shape := poolable_shape(source), Declined):
+    if isinstance(shape := static_nonempty_shape(source), Declined):
         return shape
     eps = _argument(node, 4, 1e-5)
-    return LayerNormOverLastDim(node, source, _argument(node, 2), _argument(node, 3), eps)
+    copied = viewable(source) is not None
+    return LayerNormOverLastDim(node, source, _argument(node, 2), _argument(node, 3), eps, copied)
 
 
-def _insert(anchor: torch.fx.Node, target, *args) -> torch.fx.Node:
-    """`target(*args)` before `anchor`, with `anchor`'s metadata and its own value."""
+def _insert(anchor: torch.fx.Node, target, *args, **kwargs) -> torch.fx.Node:
+    """`target(*args, **kwargs)` before `anchor`, with `anchor`'s metadata and its own value."""
     with anchor.graph.inserting_before(anchor):
-        node = anchor.graph.call_function(target, args)
-    node.meta = {**anchor.meta, "val": target(*(_fake(a) for a in args))}
+        node = anchor.graph.call_function(target, args, kwargs)
+    node.meta = {**anchor.meta, "val": target(*(_fake(a) for a in args), **kwargs)}
     return node
 
 
 def rewrite_as_delegated_ops(match: LayerNormOverLastDim) -> None:
     """The ops of the module docstring; the layer norm (and its getitems) go."""
     node, x = match.node, match.source
+    if match.copied:
+        x = _insert(node, aten.clone.default, x, memory_format=torch.contiguous_format)
     mean = _insert(node, aten.mean.dim, x, [-1], True)
     centred = _insert(node, aten.sub.Tensor, x, mean)
     variance = _insert(
@@ -182,7 +191,8 @@ def rewrite_as_delegated_ops(match: LayerNormOverLastDim) -> None:
     node.replace_all_uses_with(y)
     node.graph.erase_node(node)
     affine = "with" if match.weight is not None or match.bias is not None else "without"
-    record_applied(FOLD, node.name, f"over {x.meta['val'].shape[-1]} values, {affine} affine")
+    copy = ", its input copied contiguous first" if match.copied else ""
+    record_applied(FOLD, node.name, f"over {x.meta['val'].shape[-1]} values, {affine} affine{copy}")
 
 
 def layer_norms_as_delegated_ops(program: ExportedProgram, *, bf16: bool) -> ExportedProgram:

@@ -143,12 +143,11 @@ def _declined(module, inputs, *, bf16=False, edit=None, **export_kwargs) -> list
 
 
 class FunctionalNorm(torch.nn.Module):
-    def __init__(self, dims: int = 1, transpose: bool = False):
+    def __init__(self, dims: int = 1):
         super().__init__()
-        self.dims, self.transpose = dims, transpose
+        self.dims = dims
 
     def forward(self, x):
-        x = x.transpose(0, 1) if self.transpose else x
         return torch.nn.functional.layer_norm(x, x.shape[-self.dims :])
 
 
@@ -234,9 +233,29 @@ def test_declines_when_the_input_is_empty():
     assert reason.startswith("empty input")
 
 
-def test_declines_when_the_input_is_not_contiguous():
-    (reason,) = _declined(FunctionalNorm(transpose=True), _inputs((3, 4, 5)))
-    assert reason.startswith("input is not contiguous")
+class ChannelNormBetweenConvs(torch.nn.Module):
+    """wav2vec2's feature extractor: each conv's channels normalized through a transpose."""
+
+    def __init__(self, channels: int = 16):
+        super().__init__()
+        self.first = torch.nn.Conv1d(1, channels, 10, stride=5)
+        self.norm = torch.nn.LayerNorm(channels)
+        self.second = torch.nn.Conv1d(channels, channels, 3, stride=2)
+
+    def forward(self, x):
+        y = self.norm(self.first(x).transpose(-2, -1)).transpose(-2, -1)
+        return self.second(torch.nn.functional.gelu(y))
+
+
+def test_a_norm_over_transposed_channels_is_copied_contiguous_and_joins_the_delegate():
+    torch.manual_seed(4)
+    module, inputs = ChannelNormBetweenConvs().eval(), _inputs((1, 1, 400))
+    program, expected, decisions = _lower(module, inputs)
+    assert [(d.applied, d.detail.endswith("copied contiguous first")) for d in decisions] == [
+        (True, True)
+    ]
+    assert program.delegates() == 1 and not program.ops_outside()
+    assert_close(program.run(*inputs), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_native_layer_norm_is_rewritten_on_a_copy_and_computes_the_same():
