@@ -105,6 +105,18 @@ def stored_value(ep: ExportedProgram, kind: InputKind, fqn: str, persistent: boo
     return ep.constants.get(fqn)
 
 
+def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """`node` and every node it reads, directly or through others."""
+    seen: set[torch.fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return seen
+
+
 def is_plain_tensor(value) -> bool:
     return type(value) in (torch.Tensor, torch.nn.Parameter)
 

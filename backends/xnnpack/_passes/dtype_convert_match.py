@@ -27,6 +27,7 @@ from executorch.exir.dialects._ops import ops as exir_ops
 from torch.export import ExportedProgram
 
 from etfold.decisions import Declined
+from etfold.exir.passes.graph_walk import ancestors
 
 FOLD = "xnnpack.delegate_dtype_convert"
 
@@ -106,17 +107,6 @@ def touches_quantization(node: torch.fx.Node) -> bool:
     return is_dequant(node.args[0]) or any(is_quant(user) for user in node.users)
 
 
-def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
-    seen: set[torch.fx.Node] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current not in seen:
-            seen.add(current)
-            stack.extend(current.all_input_nodes)
-    return seen
-
-
 def _delegate_output(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
     if node.op == "call_function" and node.target is operator.getitem:
         call, index = node.args
@@ -136,7 +126,7 @@ def _inputs_read(node: torch.fx.Node, graph_module: torch.fx.GraphModule) -> lis
     positions = {name: i for i, name in enumerate(submodule.graph_signature.user_inputs)}
     return [
         call.args[1 + positions[p.name]]
-        for p in _ancestors(result)
+        for p in ancestors(result)
         if p.op == "placeholder" and p.name in positions
     ]
 

@@ -56,6 +56,7 @@ from etfold.exir.passes.constant_prop.select import select_folds
 from etfold.exir.passes.constant_prop.verdicts import EVERY_METHOD, source_verdict
 from etfold.exir.passes.graph_walk import (
     StateFacts,
+    ancestors,
     input_kinds,
     placeholders,
     state_facts,
@@ -177,17 +178,6 @@ def scores_and_mask(x: Node) -> tuple[Node, object] | Declined:
     return Declined(f"the softmax reads {x.name}, neither a matmul's scores nor scores + a mask")
 
 
-def _ancestors(node: Node) -> set[Node]:
-    seen: set[Node] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current not in seen:
-            seen.add(current)
-            stack.extend(current.all_input_nodes)
-    return seen
-
-
 def known_when_lowering(
     program: ExportedProgram, cone: set[Node], facts: StateFacts
 ) -> Declined | None:
@@ -229,12 +219,12 @@ def mask_values(program: ExportedProgram) -> dict[str, torch.Tensor | Declined]:
     found: dict[str, torch.Tensor | Declined] = {}
     cone: set[Node] = set()
     for mask in masks:
-        ancestors = _ancestors(mask)
-        declined = known_when_lowering(program, ancestors, facts)
+        reads = ancestors(mask)
+        declined = known_when_lowering(program, reads, facts)
         if declined is not None:
             found[mask.name] = declined
         else:
-            cone |= ancestors
+            cone |= reads
     if not cone:
         return found
     wanted = [node for node in cone if node.op == "call_function"]
