@@ -12,10 +12,14 @@
 Every model runs in every dtype it takes (smollm2_360m in bf16 and fp32, wav2vec2_large in
 fp32; fp16 on request: `--dtypes bf16,fp32,fp16`), with `--layers` transformer layers: 4 by
 default, `--layers 2` for the quick run, `--layers full` for the models' own 32 and 24.
-Why 4: the lowering, not the runtime, sets the cost. Full-size smollm2_360m bf16 lowered
-in 631 CPU s (stock) and 325 CPU s (etfold), its row took 21 min wall beside another job,
-so `--layers full` (six lowerings) takes most of an hour on 2 cores, over the 15-minute
-target even for that one row. The default run took 6 min 45 s wall beside another job
+Why 4: the lowering, not the runtime, sets the cost. Full-size smollm2_360m bf16
+(`--models smollm2_360m --dtypes bf16 --layers full --budget 20`, at 31974da, quiet
+but for a short test run during the stock lowering): stock 420 delegates and 1,135
+ops outside, etfold 2 and 2 (the embedding and the returned alias); lowering 663 vs
+244 CPU s; 652.8 vs 595.1 ms per call (e/s 0.91, p10-p90 0.81-0.96; eager bf16
+3,002 ms); peak RSS 3.70 vs 3.43 GB; the row took 17 min 48 s, so `--layers full`
+(six lowerings) takes most of an hour on 2 cores, over the 15-minute target even for
+that one row. The default run took 6 min 45 s wall beside another job
 (lowerings 37-54 CPU s each), the `--layers 2` run 7 min 14 s beside a heavier one. Ops
 outside and delegates repeat per layer, so a few layers show every pattern a full-size
 model has; latency, lowering time and RSS grow with the count.
