@@ -33,9 +33,13 @@ class DemoLowering:
     decisions: tuple[FoldDecision, ...]  # recorded while lowering
 
 
-@functools.cache
 def lowered_demo(name: str, fp32_twin: bool = False) -> DemoLowering:
     """The XNNPACK report model `name` (or its fp32 twin) lowered through etfold."""
+    return _lowered(name, bool(fp32_twin))
+
+
+@functools.cache  # keyed by value: `f(x)` and `f(x, fp32_twin=False)` share one lowering
+def _lowered(name: str, fp32_twin: bool) -> DemoLowering:
     from etfold.backends.xnnpack import XnnpackPartitioner
     from etfold.demo_models import catalogue, load
     from etfold.exir import to_edge_transform_and_lower

@@ -235,7 +235,8 @@ _APPLIED = {
 }
 
 
-@pytest.mark.parametrize("which", ["convnext", "vit"])
+# The ViT block (its DyT folds are proven on their own in test_fold_dyt_*) in `make test-long`.
+@pytest.mark.parametrize("which", ["convnext", pytest.param("vit", marks=pytest.mark.long)])
 def test_layer_scale_blocks_lose_their_multiplies_within_one_lsb_of_unfolded(which):
     build, _ = {"convnext": CONVNEXT, "vit": VIT}[which]
     module, inputs = build()
