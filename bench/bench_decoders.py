@@ -6,7 +6,7 @@
 
 """Production-size models on XNNPACK: stock ExecuTorch vs etfold, lowering cost and runtime.
 
-    .venv/bin/python bench/bench_decoders.py [--models smollm2_360m,wav2vec2_large]
+    .venv/bin/python bench/bench_decoders.py [--models smollm2_360m,wav2vec2_large,...]
         [--dtypes bf16,fp32] [--layers N|full] [--runs N] [--budget SECONDS]
 
 Every model runs in every dtype it takes (smollm2_360m in bf16 and fp32, wav2vec2_large in
@@ -32,6 +32,14 @@ Models (random weights, seeded; configs written below, nothing downloaded):
                   24 layers, 16 heads, intermediate 4096, 7-conv layer-norm feature
                   extractor, stable layer norm, weight_norm positional conv (kernel 128,
                   16 groups); 1 s of 16 kHz audio -> last hidden state; fp32 only
+  encoders, on request (`--models bert_base,vit_base,whisper_base_encoder`), each -> its
+  last hidden state, sdpa attention, every dtype:
+  bert_base       BertModel with bert-base's shape: 12 layers, hidden 768, 12 heads,
+                  intermediate 3072, vocab 30522; 128 token ids, no padding mask
+  vit_base        ViTModel with vit-base-patch16-224's shape: 12 layers, hidden 768,
+                  12 heads; one 224x224 image (197 tokens)
+  whisper_base_encoder  Whisper-base's encoder: 6 layers, d_model 512, 8 heads, ffn 2048,
+                  two convs over 80 mel bins; 30 s of features (1500 tokens)
 
 Stock: upstream `executorch.exir.to_edge_transform_and_lower` with upstream
 `XnnpackPartitioner`; etfold: `etfold.exir.to_edge_transform_and_lower` with etfold's
@@ -137,7 +145,67 @@ def wav2vec2_large(layers: int):
     return HiddenStatesOnly(Wav2Vec2Model(config).eval()).eval(), (audio,)
 
 
-MODELS = {"smollm2_360m": smollm2_360m, "wav2vec2_large": wav2vec2_large}
+def bert_base(layers: int):
+    """bert-base-uncased's shape, random weights, fp32; 128 token ids, no padding mask."""
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=768,
+        num_hidden_layers=layers or 12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = BertModel(config, add_pooling_layer=False).eval()
+    return HiddenStatesOnly(model).eval(), (token_ids(30522, 128),)
+
+
+def vit_base(layers: int):
+    """vit-base-patch16-224's shape, random weights, fp32; one 224x224 image."""
+    from transformers import ViTConfig, ViTModel
+
+    config = ViTConfig(
+        hidden_size=768,
+        num_hidden_layers=layers or 12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        image_size=224,
+        patch_size=16,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    image = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    return HiddenStatesOnly(ViTModel(config, add_pooling_layer=False).eval()).eval(), (image,)
+
+
+def whisper_base_encoder(layers: int):
+    """whisper-base's encoder shape, random weights, fp32; 30 s of 80-bin log-mel features."""
+    from transformers import WhisperConfig, WhisperModel
+
+    config = WhisperConfig(
+        d_model=512,
+        encoder_layers=layers or 6,
+        encoder_attention_heads=8,
+        encoder_ffn_dim=2048,
+        decoder_layers=1,
+        num_mel_bins=80,
+        max_source_positions=1500,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    features = torch.randn(1, 80, 3000, generator=torch.Generator().manual_seed(1))
+    return HiddenStatesOnly(WhisperModel(config).get_encoder().eval()).eval(), (features,)
+
+
+MODELS = {
+    "smollm2_360m": smollm2_360m,
+    "wav2vec2_large": wav2vec2_large,
+    "bert_base": bert_base,
+    "vit_base": vit_base,
+    "whisper_base_encoder": whisper_base_encoder,
+}
 FP32_ONLY = {"wav2vec2_large"}
 
 
@@ -352,7 +420,7 @@ def main() -> None:
     from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default="smollm2_360m,wav2vec2_large", help=", ".join(MODELS))
     parser.add_argument("--dtypes", default="bf16,fp32")
     parser.add_argument(
         "--layers", type=_layer_count, default=4, help="transformer layers, or `full`"

@@ -257,7 +257,7 @@ def test_layer_scale_blocks_lose_their_multiplies_within_one_lsb_of_unfolded(whi
 
 
 def test_user_module_is_untouched():
-    *_, module, before = _lowered("vit", "etfold")  # lowered with the folds registered
+    *_, module, before = _lowered("convnext", "etfold")  # lowered with the folds registered
     assert module.state_dict().keys() == before.keys()
     for name, value in module.state_dict().items():
         assert torch.equal(value, before[name]), name
