@@ -76,6 +76,11 @@ _MEAN = (
     "XNNPACK's bf16 mean does not compile, so RMSNorm's mean of x^2 splits the delegate "
     "(widened: 0.0039, one bf16 ulp from eager [0.0040])"
 )
+_CONV = (
+    "XNNPACK's bf16 convolution does not compile, so a ViT's patch embedding or an audio "
+    "encoder's stem runs on portable kernels outside the delegate (widened: the fp32 "
+    "convolution of the bf16 values, rounded once, as eager's bf16 convolution computes it)"
+)
 
 WIDENED_OPS: dict[torch._ops.OpOverload, WideningRule] = {
     aten.layer_norm.default: WideningRule(_HALF, _NORM),
@@ -90,6 +95,9 @@ WIDENED_OPS: dict[torch._ops.OpOverload, WideningRule] = {
     aten.matmul.default: WideningRule(_BF16, _BMM, only_where=batched_on_both_sides),
     aten.bmm.default: WideningRule(_BF16, _BMM),
     aten.mean.dim: WideningRule(_BF16, _MEAN),
+    aten.conv1d.default: WideningRule(_BF16, _CONV),
+    aten.conv2d.default: WideningRule(_BF16, _CONV),
+    aten.convolution.default: WideningRule(_BF16, _CONV),
 }
 
 

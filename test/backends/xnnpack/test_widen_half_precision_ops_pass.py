@@ -336,6 +336,36 @@ def test_bf16_attention_and_rms_norm_lower_as_one_delegate_close_to_eager():
     assert _error(output, fp32) <= _error(eager, fp32)
 
 
+class ConvStem(torch.nn.Module):
+    """A ViT's patch embedding (conv2d, stride = kernel), a linear over the patches, and an
+    audio encoder's conv1d over them: in bf16, each conv splits the delegate unwidened."""
+
+    def __init__(self):
+        super().__init__()
+        self.patches = torch.nn.Conv2d(3, 32, 8, stride=8)
+        self.linear = torch.nn.Linear(32, 32)
+        self.conv1d = torch.nn.Conv1d(32, 32, 3, padding=1)
+
+    def forward(self, x):
+        tokens = self.linear(self.patches(x).flatten(2).transpose(1, 2))
+        return self.conv1d(tokens.transpose(1, 2))
+
+
+def test_bf16_convolutions_lower_inside_the_delegate_no_further_from_fp32_than_eager():
+    torch.manual_seed(0)
+    module = ConvStem().to(torch.bfloat16).eval()
+    x = torch.randn(1, 3, 32, 32).to(torch.bfloat16)
+    fp32 = eager_outputs(copy.deepcopy(module).float(), (x.float(),))
+    with collect_decisions() as decisions:
+        lowered = _lower(module, (x,), XnnpackPartitioner(enable_bf16=True))
+    widened = sorted(d.where for d in decisions if d.fold == FOLD and d.applied)
+    assert widened == ["conv1d", "conv2d"]
+    assert lowered.delegates() == 1 and sum(lowered.ops_outside().values()) == 0
+    (output,) = lowered.run(x)
+    assert output.dtype == torch.bfloat16
+    assert _error([output], fp32) <= _error(eager_outputs(module, (x,)), fp32)
+
+
 @pytest.mark.parametrize(
     "dtype,shapes",
     [
