@@ -40,6 +40,11 @@ Models (random weights, seeded; configs written below, nothing downloaded):
                   12 heads; one 224x224 image (197 tokens)
   whisper_base_encoder  Whisper-base's encoder: 6 layers, d_model 512, 8 heads, ffn 2048,
                   two convs over 80 mel bins; 30 s of features (1500 tokens)
+  At 2 layers (`--models bert_base,vit_base,whisper_base_encoder --dtypes fp32,bf16
+  --layers 2 --budget 3 --runs 3`, at 528e1ea): in fp32 each is one delegate, with only
+  BERT's token lookup outside (stock: 9 delegates, 31-49 ops outside); in bf16 stock's
+  ViT and Whisper programs fail to load (a bf16 conv delegate), etfold's load, with the
+  stem convs outside where the weight fold's growth budget declines their fp32 weights.
 
 Stock: upstream `executorch.exir.to_edge_transform_and_lower` with upstream
 `XnnpackPartitioner`; etfold: `etfold.exir.to_edge_transform_and_lower` with etfold's
