@@ -378,52 +378,52 @@ def bench_row(model: str, dtype_name: str, args, workdir: str) -> str:
         min_rounds=args.runs,
         warmup=1,
     )
-    s, e = lowered["stock"], lowered["etfold"]
-    outside = (
-        f"outside, stock: {_top_ops(s.outside, args.top)}; etfold: {_top_ops(e.outside, args.top)}"
-    )
     scale = f"({timing.rounds} rounds; |eager fp32| max {_max_abs(fp32):.3g})"
-    return "\n".join(
-        [f"{model:14} {dtype_name:5} | {_cells(lowered, errors, timing)}", _INDENT + outside]
-        + [_INDENT + scale]
-    )
+    return _row_lines(model, dtype_name, _cells(lowered, errors, timing), lowered, args, scale)
 
 
 _INDENT = " " * 21
 
 
-def _unloadable_row(model: str, dtype_name: str, lowered: dict, failed: dict, args) -> str:
-    """Counts and lowering cost only: a flavour whose program the runtime refuses to load."""
+def _row_lines(model: str, dtype_name: str, cells: str, lowered: dict, args, last: str) -> str:
+    """The row's cells, the ops outside by name for each flavour, and a closing line."""
     s, e = lowered["stock"], lowered["etfold"]
-    cells = " | ".join(
-        [
-            _pair(s.delegates, e.delegates, ">3"),
-            _pair(_outside(s.outside).total(), _outside(e.outside).total(), ">3"),
-            " / ".join(f"{r.seconds:5.1f} ({r.cpu_seconds:5.1f})" for r in (s, e)),
-        ]
-    )
-    refused = "; ".join(f"{flavour} fails to load: {error}" for flavour, error in failed.items())
     outside = (
         f"outside, stock: {_top_ops(s.outside, args.top)}; etfold: {_top_ops(e.outside, args.top)}"
     )
-    return "\n".join(
-        [f"{model:14} {dtype_name:5} | {cells} (delegates | outside | lower s)", _INDENT + outside]
-        + [_INDENT + refused + " (not timed)"]
+    return "\n".join([f"{model:14} {dtype_name:5} | {cells}", _INDENT + outside, _INDENT + last])
+
+
+def _unloadable_row(model: str, dtype_name: str, lowered: dict, failed: dict, args) -> str:
+    """Counts and lowering cost only: a flavour whose program the runtime refuses to load."""
+    delegates, outside, lowering = _lowering_cells(lowered)
+    cells = f"{delegates} | {outside} | {lowering} (delegates | outside | lower s)"
+    refused = "; ".join(f"{flavour} fails to load: {error}" for flavour, error in failed.items())
+    return _row_lines(model, dtype_name, cells, lowered, args, refused + " (not timed)")
+
+
+def _lowering_cells(lowered: dict[str, Lowered]) -> tuple[str, str, str]:
+    """Delegates, ops outside and lowering seconds, stock / etfold."""
+    s, e = lowered["stock"], lowered["etfold"]
+    return (
+        _pair(s.delegates, e.delegates, ">3"),
+        _pair(_outside(s.outside).total(), _outside(e.outside).total(), ">3"),
+        " / ".join(f"{r.seconds:5.1f} ({r.cpu_seconds:5.1f})" for r in (s, e)),
     )
 
 
 def _cells(lowered: dict[str, Lowered], errors: dict, timing) -> str:
     """The columns after model and dtype."""
-    s, e = lowered["stock"], lowered["etfold"]
     ms, ratio = timing.milliseconds, timing.ratios[("stock", "etfold")]
     gb = {f: (r.peak_kb / 2**20, (r.peak_kb - r.start_kb) / 2**20) for f, r in lowered.items()}
+    delegates, outside, lowering = _lowering_cells(lowered)
     return " | ".join(
         [
-            _pair(s.delegates, e.delegates, ">3"),
-            _pair(_outside(s.outside).total(), _outside(e.outside).total(), ">3"),
+            delegates,
+            outside,
             f"{ms['stock'].median:8.1f} / {ms['etfold'].median:6.1f} / {ms['eager'].median:6.1f}",
             f"{ratio.median:5.2f} ({ratio.p10:.2f}-{ratio.p90:.2f})",
-            " / ".join(f"{r.seconds:5.1f} ({r.cpu_seconds:5.1f})" for r in (s, e)),
+            lowering,
             " / ".join(f"{gb[f][0]:5.2f} ({gb[f][1]:+.2f})" for f in ("stock", "etfold")),
             _pair(errors["stock"][0], errors["etfold"][0], "7.2g"),
             _pair(errors["stock"][1], errors["etfold"][1], "7.2g"),
