@@ -184,8 +184,9 @@ def test_lowering_leaves_the_users_program_as_it_was(op):
 
 def test_fp16_gelu_widened_is_fp32_gelu_rounded_once():
     """The identity the widening promises: GELU computed in fp32 on the fp16 operand,
-    rounded once to fp16. (Eager's own fp16 GELU kernel differs by CPU in the last bit,
-    so it is compared within one fp16 ulp, not bit for bit.)"""
+    rounded once to fp16. Eager's own fp16 GELU and torch's fp32 GELU both differ by CPU
+    (an AVX2 fp32 GELU is several fp16 ulps off in the far negative tail, where the values
+    are below 1e-5), so against eager the check is torch's fp16 tolerance."""
     module, inputs, _ = _case("gelu", torch.float16, 256)
     program = widen_half_precision_ops(torch.export.export(module, inputs))
     (x,) = inputs
@@ -194,10 +195,7 @@ def test_fp16_gelu_widened_is_fp32_gelu_rounded_once():
     widened = program.module()(*inputs)
     assert widened.dtype == torch.float16
     assert torch.equal(widened, rounded_once)
-    eager = eager_outputs(module, inputs)[0]
-    down, up = (torch.full_like(eager, bound) for bound in (-torch.inf, torch.inf))
-    neighbours = (torch.nextafter(eager, down), eager, torch.nextafter(eager, up))
-    assert bool(torch.stack([widened == n for n in neighbours]).any(0).all())
+    torch.testing.assert_close(widened, eager_outputs(module, inputs)[0])
 
 
 @pytest.mark.parametrize(
