@@ -27,6 +27,7 @@ from executorch.exir import EdgeProgramManager
 from executorch.exir import to_edge_transform_and_lower as upstream_to_edge_transform_and_lower
 from torch.export import ExportedProgram
 
+from etfold.harness.histogram_search import histogram_search_on_numbers
 from etfold.harness.inspection import (
     delegate_count,
     lowered_modules,
@@ -107,15 +108,24 @@ def quantize_exported_for_tosa(
     profile: str = INT,
 ) -> ExportedProgram:
     """`quantize_for_tosa` from an already exported program (e.g. after marking its nodes)."""
+    return quantize_exported(exported, tosa_quantizer(profile), inputs, calibration)
+
+
+def quantize_exported(
+    exported: ExportedProgram, quantizer, inputs: tuple, calibration: Iterable[tuple] = ()
+) -> ExportedProgram:
+    """prepare_pt2e with `quantizer` → calibrate on `inputs` and `calibration` → convert →
+    export. The model's buffers end as exported; observers keep what they saw."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     # Arm's scalar handling rejects the `_guards_fn` submodule that module() keeps by default.
-    prepared = prepare_pt2e(exported.module(check_guards=False), tosa_quantizer(profile))
+    prepared = prepare_pt2e(exported.module(check_guards=False), quantizer)
     with torch.no_grad(), _model_buffers_restored(prepared):
         prepared(*inputs)
         for sample in calibration:
             prepared(*sample)
-    converted = convert_pt2e(prepared)
+    with histogram_search_on_numbers():
+        converted = convert_pt2e(prepared)
     return torch.export.export(converted, inputs)
 
 

@@ -152,17 +152,10 @@ def quantize_for_ethos_u(
     module: torch.nn.Module, inputs: tuple, target: str, *, calibration: Iterable[tuple] = ()
 ) -> ExportedProgram:
     """export → prepare_pt2e (the Ethos-U annotation pipeline) → calibrate → convert → export."""
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    from etfold.harness.tosa_runner import _model_buffers_restored
+    from etfold.harness.tosa_runner import quantize_exported
 
     exported = torch.export.export(in_eval_mode(module), inputs)
-    prepared = prepare_pt2e(exported.module(check_guards=False), ethos_u_quantizer(target))
-    with torch.no_grad(), _model_buffers_restored(prepared):
-        prepared(*inputs)
-        for sample in calibration:
-            prepared(*sample)
-    return torch.export.export(convert_pt2e(prepared), inputs)
+    return quantize_exported(exported, ethos_u_quantizer(target), inputs, calibration)
 
 
 @dataclass
