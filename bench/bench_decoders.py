@@ -61,6 +61,10 @@ Columns (stock / etfold in each):
                    eager torch (one thread) timed interleaved in this process, for
                    --budget seconds and at least --runs rounds
   e/s              etfold/stock runtime ratio per round: median (p10-p90)
+  linears alone    (on the line below the row) every nn.Linear of the model once, on
+                   inputs of the shapes it reads in the model, lowered by stock ExecuTorch
+                   and timed interleaved with the others: the GEMM work alone, the floor
+                   under the model's latency that no graph rewrite goes below
   lower s (cpu)    wall seconds of to_edge_transform_and_lower + to_executorch (export
                    excluded), and in brackets the child's CPU seconds over the same span (what
                    a busy machine does not inflate); one lowering per flavour, a single pair
@@ -323,6 +327,48 @@ def references(model: str, dtype: torch.dtype, layers: int):
     return module, inputs, eager_outputs(module, inputs), fp32
 
 
+class LinearsAlone(torch.nn.Module):
+    """Each `nn.Linear` of a model applied once to an input of the shape it sees in the
+    model's forward: the model's GEMM work with nothing around it."""
+
+    def __init__(self, linears: list[torch.nn.Linear], slots: list[int]):
+        super().__init__()
+        self.linears, self.slots = torch.nn.ModuleList(linears), slots
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            linear(inputs[slot]) for linear, slot in zip(self.linears, self.slots, strict=True)
+        )
+
+
+def linears_alone(module: torch.nn.Module, inputs: tuple) -> tuple[LinearsAlone, tuple]:
+    """The model's linears and one random input per shape they read, recorded by hooks
+    during one eager call (the weights are the model's own)."""
+    seen = []
+    linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
+    hooks = [m.register_forward_hook(lambda m, a, _: seen.append((m, a[0]))) for m in linears]
+    try:
+        with torch.no_grad():
+            module(*inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    shapes = sorted({(tuple(x.shape), x.dtype) for _, x in seen}, key=str)
+    generator = torch.Generator().manual_seed(0)
+    arguments = tuple(torch.randn(shape, generator=generator).to(dtype) for shape, dtype in shapes)
+    slots = [shapes.index((tuple(x.shape), x.dtype)) for _, x in seen]
+    return LinearsAlone([m for m, _ in seen], slots).eval(), arguments
+
+
+def lower_linears_alone(module, inputs, dtype_name: str, pte: str):
+    """`linears_alone(module)` lowered by stock ExecuTorch and loaded, with its inputs."""
+    alone, arguments = linears_alone(module, inputs)
+    lower, partitioner = _flavour("stock", dtype_name)
+    program = lower(torch.export.export(alone, arguments), partitioner=[partitioner])
+    Path(pte).write_bytes(program.to_executorch().buffer)
+    return load(pte), arguments
+
+
 def _errors(outputs: list[torch.Tensor], in_dtype: list, fp32: list) -> tuple[float, float]:
     return max_abs_error(outputs, in_dtype), max_abs_error([o.float() for o in outputs], fp32)
 
@@ -372,13 +418,18 @@ def bench_row(model: str, dtype_name: str, args, workdir: str) -> str:
         return _unloadable_row(model, dtype_name, lowered, failed, args)
     errors = {flavour: _errors(p.run(inputs), in_dtype, fp32) for flavour, p in loaded.items()}
     runs = {flavour: (lambda p=p: p.run(inputs)) for flavour, p in loaded.items()}
+    pte = str(Path(workdir) / f"{model}_{dtype_name}_linears.pte")
+    linears, arguments = lower_linears_alone(module, inputs, dtype_name, pte)
     timing = time_interleaved(
-        {**runs, "eager": _eager_call(module, inputs)},
+        {**runs, "eager": _eager_call(module, inputs), "linears": lambda: linears.run(arguments)},
         budget_s=args.budget,
         min_rounds=args.runs,
         warmup=1,
     )
-    scale = f"({timing.rounds} rounds; |eager fp32| max {_max_abs(fp32):.3g})"
+    scale = (
+        f"({timing.rounds} rounds; |eager fp32| max {_max_abs(fp32):.3g}; the model's linears "
+        f"alone on stock XNNPACK {timing.milliseconds['linears'].median:.1f} ms)"
+    )
     return _row_lines(model, dtype_name, _cells(lowered, errors, timing), lowered, args, scale)
 
 
