@@ -12,14 +12,23 @@
 Every model runs in every dtype it takes (smollm2_360m in bf16 and fp32, wav2vec2_large in
 fp32; fp16 on request: `--dtypes bf16,fp32,fp16`), with `--layers` transformer layers: 4 by
 default, `--layers 2` for the quick run, `--layers full` for the models' own 32 and 24.
-Why 4: the lowering, not the runtime, sets the cost. Full-size smollm2_360m bf16
-(`--models smollm2_360m --dtypes bf16 --layers full --budget 20`, at 31974da, quiet
-but for a short test run during the stock lowering): stock 420 delegates and 1,135
-ops outside, etfold 2 and 2 (the embedding and the returned alias); lowering 663 vs
-244 CPU s; 652.8 vs 595.1 ms per call (e/s 0.91, p10-p90 0.81-0.96; eager bf16
-3,002 ms); peak RSS 3.70 vs 3.43 GB; the row took 17 min 48 s, so `--layers full`
-(six lowerings) takes most of an hour on 2 cores, over the 15-minute target even for
-that one row. The default run took 6 min 45 s wall beside another job
+Why 4: the lowering, not the runtime, sets the cost. Full size, one row at a time on an
+AVX2-only 2-core machine (`--models smollm2_360m --dtypes fp32 --layers full --budget 10`,
+and the same with `--dtypes bf16`, quiet; at f0e020b):
+  smollm2_360m fp32: stock 164 delegates and 778 ops outside, etfold 2 and 2 (the
+  embedding and the returned alias); 321.6 vs 303.6 ms per call (e/s 0.96, 0.86-1.08),
+  the linears alone 296.8 ms, eager 616.6 ms; lowering 220 vs 149 CPU s; peak RSS 5.44
+  vs 5.26 GB; the row took 8 min 25 s.
+  smollm2_360m bf16: stock 420 and 1,135, etfold 2 and 2; 336.5 vs 297.3 ms (e/s 0.86,
+  0.81-0.93), the linears alone 274.5 ms, eager bf16 292.1 ms; lowering 405 vs 161 CPU s;
+  3.70 vs 3.44 GB; 11 min 13 s.
+  (`--models wav2vec2_large --dtypes fp32 --layers full --budget 10`, at 6449898)
+  wav2vec2_large fp32: stock 106 delegates and 428 ops outside, etfold 1 and 0; 1,284.8
+  vs 426.2 ms (e/s 0.33, 0.28-0.38); lowering 103.2 vs 98.9 CPU s (0.96x); 4.06 vs 4.13
+  GB; 4 min 36 s.
+So etfold's full-size decoder takes 2 % (fp32) and 8 % (bf16) longer than its linears
+alone: no graph rewrite can make it much faster (a faster GEMM, or fewer multiply-adds,
+would). The default run took 6 min 45 s wall beside another job
 (lowerings 37-54 CPU s each), the `--layers 2` run 7 min 14 s beside a heavier one. Ops
 outside and delegates repeat per layer, so a few layers show every pattern a full-size
 model has; latency, lowering time and RSS grow with the count.
