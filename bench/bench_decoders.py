@@ -49,6 +49,12 @@ Models (random weights, seeded; configs written below, nothing downloaded):
                   12 heads; one 224x224 image (197 tokens)
   whisper_base_encoder  Whisper-base's encoder: 6 layers, d_model 512, 8 heads, ffn 2048,
                   two convs over 80 mel bins; 30 s of features (1500 tokens)
+  Full size in fp32 (`--models bert_base,vit_base,whisper_base_encoder --dtypes fp32
+  --layers full --budget 6 --runs 3`, at bd06405, 6 min 46 s): each etfold program is one
+  delegate with nothing outside but BERT's token lookup (stock: 49, 49 and 25 delegates,
+  219, 213 and 87 ops outside); per call stock / etfold / linears alone: BERT 261.5 /
+  235.5 / 233.2 ms, ViT 463.4 / 377.1 / 348.1 ms, Whisper 2,372.7 / 980.8 / 558.2 ms;
+  lowering 47.0 / 50.4, 41.3 / 44.7 and 22.1 / 24.3 CPU s (etfold 7-10 % slower).
   At 2 layers (`--models bert_base,vit_base,whisper_base_encoder --dtypes fp32,bf16
   --layers 2 --budget 3 --runs 3`, at 528e1ea): in fp32 each is one delegate, with only
   BERT's token lookup outside (stock: 9 delegates, 31-49 ops outside); in bf16 stock's
