@@ -40,8 +40,6 @@ import pytest
 from hypothesis import settings
 from xdist.scheduler import LoadScopeScheduling
 
-from etfold.exir.program.lower import torch_speedups
-
 settings.register_profile("suite", derandomize=True, database=None, deadline=None)
 settings.register_profile("explore", database=None, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
@@ -87,6 +85,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="session")
 def _torch_speedups():
+    # imported here, not at the top: under xdist the controlling process loads this file
+    # too, and torch's import there (8 s) would delay starting the workers
+    from etfold.exir.program.lower import torch_speedups
+
     with torch_speedups():
         yield
 
