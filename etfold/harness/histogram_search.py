@@ -13,8 +13,8 @@ about 90 ms per observer, a tenth of an INT test's time. Inside
 `histogram_search_on_numbers()` the walk reads the cumulative sums as float32
 numbers and compares them with the bound rounded to float32, which is what
 torch's tensor-scalar comparison does, and calls the observer's own error
-measure: the chosen min/max are the ones torchao chooses. The scope undoes
-itself on exit.
+measure: the chosen min/max are the ones torchao chooses. Where torchao has
+no such method the scope changes nothing; it undoes itself on exit.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from etfold.exir.program.reentrant_patch import ReentrantPatch
 
 STEP = 1e-5  # the search's quantile granularity, as torchao walks it
+_ATTRIBUTE = "_non_linear_param_search"
 _saved: list = []
 
 
@@ -77,12 +78,15 @@ def _observer_class():
 
 def _install() -> None:
     observer = _observer_class()
-    _saved.append(observer.__dict__["_non_linear_param_search"])
-    observer._non_linear_param_search = search_min_max
+    search = observer.__dict__.get(_ATTRIBUTE)
+    if callable(search):  # otherwise not the torchao this was written against: leave it
+        _saved.append(search)
+        setattr(observer, _ATTRIBUTE, search_min_max)
 
 
 def _uninstall() -> None:
-    _observer_class()._non_linear_param_search = _saved.pop()
+    if _saved:
+        setattr(_observer_class(), _ATTRIBUTE, _saved.pop())
 
 
 _PATCH = ReentrantPatch(_install, _uninstall)
