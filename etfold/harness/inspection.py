@@ -67,20 +67,49 @@ def _outside_delegates(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     ]
 
 
-def _tosa_operators(tosa_graph: bytes):
-    """(kind, operator, block) for every operator of a serialized TOSA graph."""
-    from tosa.Op import Op
+def _tosa_blocks(tosa_graph: bytes):
+    """Every basic block of a serialized TOSA graph, region by region."""
     from tosa.TosaGraph import TosaGraph
 
-    names = {value: name for name, value in vars(Op).items() if not name.startswith("_")}
     graph = TosaGraph.GetRootAs(tosa_graph, 0)
     for r in range(graph.RegionsLength()):
         region = graph.Regions(r)
         for b in range(region.BlocksLength()):
-            block = region.Blocks(b)
-            for o in range(block.OperatorsLength()):
-                operator = block.Operators(o)
-                yield names[operator.Op()], operator, block
+            yield region.Blocks(b)
+
+
+def _tosa_operators(tosa_graph: bytes):
+    """(kind, operator, block) for every operator of a serialized TOSA graph."""
+    from tosa.Op import Op
+
+    names = {value: name for name, value in vars(Op).items() if not name.startswith("_")}
+    for block in _tosa_blocks(tosa_graph):
+        for o in range(block.OperatorsLength()):
+            operator = block.Operators(o)
+            yield names[operator.Op()], operator, block
+
+
+def _tosa_tensor_shapes(block) -> dict[str, list[int]]:
+    return {
+        tensor.Name(): [int(d) for d in tensor.ShapeAsNumpy()] if tensor.ShapeLength() else []
+        for tensor in (block.Tensors(t) for t in range(block.TensorsLength()))
+    }
+
+
+def tosa_unsized_inputs(tosa_graph: bytes) -> list[str]:
+    """Graph inputs with a dimension left unsized (-1): the export had dynamic shapes.
+
+    The reference model runs static shapes only; given such a graph it aborts and
+    prints a debugger's backtrace for seconds before returning an error, so check first.
+    """
+    unsized = []
+    for block in _tosa_blocks(tosa_graph):
+        shapes = _tosa_tensor_shapes(block)
+        for i in range(block.InputsLength()):
+            name = block.Inputs(i)
+            if any(d < 0 for d in shapes.get(name, [])):
+                unsized.append(f"{name.decode()} {shapes[name]}")
+    return unsized
 
 
 def tosa_operator_counts(tosa_graph: bytes) -> Counter[str]:
@@ -103,12 +132,7 @@ def tosa_channel_conflicts(tosa_graph: bytes) -> list[str]:
         axis = _WEIGHT_INPUT_CHANNEL_AXIS.get(kind)
         if axis is None or operator.InputsLength() < 2:
             continue
-        shapes = {}
-        for t in range(block.TensorsLength()):
-            tensor = block.Tensors(t)
-            shapes[tensor.Name()] = (
-                [int(d) for d in tensor.ShapeAsNumpy()] if tensor.ShapeLength() else []
-            )
+        shapes = _tosa_tensor_shapes(block)
         given, weight = shapes.get(operator.Inputs(0), []), shapes.get(operator.Inputs(1), [])
         if given and len(weight) > axis and given[-1] != weight[axis]:
             conflicts.append(f"{kind} reads {given[-1]} input channels, its weight {weight[axis]}")

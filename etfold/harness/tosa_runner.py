@@ -34,6 +34,7 @@ from etfold.harness.inspection import (
     ops_outside_delegates,
     tosa_channel_conflicts,
     tosa_operator_counts,
+    tosa_unsized_inputs,
 )
 from etfold.harness.modules import in_eval_mode
 from etfold.harness.xnnpack_runner import max_abs_error
@@ -176,6 +177,11 @@ def run_tosa_graph(
 ) -> list[torch.Tensor]:
     import tosa_reference_model
 
+    unsized = tosa_unsized_inputs(tosa_graph)
+    if unsized:
+        raise RuntimeError(
+            f"the reference model runs static shapes only, not run: {', '.join(unsized)} unsized"
+        )
     conflicts = tosa_channel_conflicts(tosa_graph)
     if conflicts:
         raise RuntimeError(f"malformed TOSA graph, not run: {'; '.join(conflicts)}")

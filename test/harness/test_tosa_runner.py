@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from etfold.harness.inspection import tosa_operator_counts
+from etfold.harness.inspection import tosa_operator_counts, tosa_unsized_inputs
 from etfold.harness.tosa_runner import (
     FP,
     INT,
@@ -97,6 +97,23 @@ def test_runner_refuses_a_program_without_a_tosa_delegate():
     }  # an undelegated program: nothing would run on the reference model
     with pytest.raises(RuntimeError, match="no TOSA delegate"):
         program.run(x)
+
+
+def test_a_graph_with_an_unsized_dimension_is_refused_before_the_reference_model_runs():
+    """The reference model aborts (and prints a debugger's backtrace for seconds) on a
+    dynamic dimension; the runner names the input instead."""
+    module, x = _conv_and_input()
+    x = torch.cat((x, x))  # a batch of 1 would be specialized
+    batch = torch.export.Dim("batch", min=1, max=4)
+    exported = torch.export.export(module, (x,), dynamic_shapes=({0: batch},))
+    program = lower_tosa(exported, FP)
+    (graph,) = program.tosa_graphs
+    (unsized,) = tosa_unsized_inputs(graph)
+    assert unsized == "x [-1, 3, 8, 8]"
+    with pytest.raises(RuntimeError, match="static shapes only"):
+        program.run(x)
+    static, _ = lower_module_tosa(module, (x,), FP)
+    assert [tosa_unsized_inputs(g) for g in static.tosa_graphs] == [[]]
 
 
 def test_operator_counts_read_the_flatbuffer():
