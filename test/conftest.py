@@ -24,6 +24,10 @@
   caches keep, are never garbage, and rescanning them at each full collection
   was a quarter of a small lowering. Garbage created during a file is
   collected as usual, at thresholds raised for lowering's allocation pattern.
+- Each worker computes on one thread (torch's intra-op pool and the ExecuTorch
+  runtime's threadpool): `make test` runs one worker per core, and two pools
+  of two threads each on two cores spend their time waiting for each other
+  (7-8 % of the suite's time), on models too small to gain from a second thread.
 - Every test runs inside `torch_speedups()`, as etfold's entry point does: torch
   lowers exactly as it would, without repeating one lookup per op namespace,
   one kernel-registration closure per op and key, or a deep copy of every
@@ -81,6 +85,18 @@ def pytest_collection_modifyitems(config, items):
     seed = os.environ.get("ETFOLD_TEST_SHUFFLE")
     if seed:
         random.Random(seed).shuffle(items)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread_per_worker():
+    import torch
+    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    _unsafe_reset_threadpool(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 @pytest.fixture(autouse=True, scope="session")
