@@ -5,14 +5,14 @@
 # LICENSE file in the root directory of this source tree.
 
 """The install step behind delegated converts: explicit, idempotent, reversible, loud,
-and invisible to stock lowering (byte-identical programs)."""
+and invisible to stock lowering (byte-identical programs). That importing etfold
+installs nothing is `test/test_import_changes_nothing.py`'s fresh interpreter: XNNPACK's
+node visitors and its backend's `preprocess` are among what it sees unchanged."""
 
 from __future__ import annotations
 
 import gc
 import inspect
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -52,20 +52,6 @@ def pristine():
     install.uninstall()
     if was_installed:
         install.install()
-
-
-def test_importing_etfold_installs_nothing():
-    probe = (
-        "import etfold, etfold.backends.xnnpack, etfold.backends.xnnpack.install as i\n"
-        "from executorch.backends.xnnpack.operators import node_visitor\n"
-        "assert not i.is_installed()\n"
-        "assert i.XNNConvertVisitor.target not in node_visitor._node_visitor_dict\n"
-        "print('clean')\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0 and result.stdout.strip().endswith("clean"), result.stderr[-2000:]
 
 
 def test_install_is_idempotent_and_uninstall_restores_upstream_exactly(pristine):

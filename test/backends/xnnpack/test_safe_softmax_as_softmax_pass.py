@@ -71,6 +71,8 @@ def _llama(dtype, upstream_entry_point):
     return lowering.program, lowering.inputs, lowering.expected, lowering.decisions
 
 
+# The bf16 decoder through both entry points in `make test` (the fp32 encoder attention
+# below covers the pass in fp32); the fp32 decoder, another decoder lowering, in `make test-long`.
 # measured before this pass: the guard's six ops per layer stay outside, between 4
 # delegates; without them the two layers lower as 2 (the embedding and the final alias
 # stay outside)
@@ -80,7 +82,7 @@ DECODER_DELEGATES = 2
 @pytest.mark.parametrize(
     ("dtype", "upstream_entry_point", "atol"),
     [
-        (torch.float32, False, 1e-4),
+        pytest.param(torch.float32, False, 1e-4, marks=pytest.mark.long),
         (torch.bfloat16, False, 2e-2),
         pytest.param(torch.float32, True, 1e-4, marks=pytest.mark.long),
         (torch.bfloat16, True, 2e-2),
