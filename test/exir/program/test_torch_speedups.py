@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch.fx import traceback as fx_traceback
 
+from etfold.exir.program.lazy_pass_modules import code_on_first_use_for_pass_modules
 from etfold.exir.program.py_kernel_closures import one_py_kernel_closure_per_key
 from etfold.exir.program.reentrant_patch import ReentrantPatch
 from etfold.exir.program.shared_provenance import shared_provenance_chains
@@ -60,6 +61,36 @@ def test_a_kernel_closure_is_made_once_per_op_and_key_and_registers_as_torchs_do
                 op.py_impl(key)(lambda x: x)
     finally:
         library._destroy()
+
+
+class ConvTanh(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return torch.tanh(self.conv(x)) * 0.5
+
+
+def test_a_pass_module_writes_torchs_code_when_first_used_and_other_modules_are_torchs():
+    from executorch.exir.pass_base import ExportPass
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 6, 6)
+    program = torch.export.export(ConvTanh().eval(), (x,)).run_decompositions()
+    with code_on_first_use_for_pass_modules():
+        built_by_a_pass = ExportPass()(program.graph_module).graph_module
+        built_here = torch.fx.GraphModule(program.graph_module, copy.deepcopy(program.graph))
+    assert isinstance(built_by_a_pass, _LazyGraphModule)
+    assert not isinstance(built_here, _LazyGraphModule)
+    assert built_by_a_pass._needs_recompile()  # no code written yet
+    eager = torch.fx.GraphModule(built_by_a_pass, copy.deepcopy(built_by_a_pass.graph))
+    assert built_by_a_pass.code == eager.code
+    assert torch.equal(
+        built_by_a_pass(*program.state_dict.values(), x)[0],
+        eager(*program.state_dict.values(), x)[0],
+    )
 
 
 def test_a_reentrant_patch_installs_once_and_undoes_on_the_last_exit():
@@ -123,19 +154,26 @@ _FRESH_INTERPRETER = textwrap.dedent(
         collectors = [
             m._collect_all_valid_cia_ops for m in (export_utils, exported_program, decomp_utils)
         ]
-        return [fx_traceback.copy, OperatorBase.py_impl, *collectors]
+        graph_module_new = torch.fx.GraphModule.__dict__["__new__"]
+        return [fx_traceback.copy, OperatorBase.py_impl, graph_module_new, *collectors]
+
+    def tosa_graphs():
+        from etfold.harness.tosa_runner import FP, lower_tosa
+
+        return lower_tosa(copy.deepcopy(program), FP).tosa_graphs
 
     torchs_own = patched()
     torchs_lookup = export_utils._materialize_cpp_cia_ops
-    torchs = lowered()
+    torchs, torchs_tosa = lowered(), tosa_graphs()
     with torch_speedups():
         with torch_speedups():
             assert all(a is not b for a, b in zip(patched(), torchs_own))
-        ours = lowered()
+        ours, our_tosa = lowered(), tosa_graphs()
     assert all(a is b for a, b in zip(patched(), torchs_own)), "torch not restored"
     assert export_utils._materialize_cpp_cia_ops is torchs_lookup, "torch not restored"
     assert ours[0] == torchs[0], "program bytes differ"
     assert ours[1] == torchs[1], "provenance differs"
+    assert our_tosa == torchs_tosa, "TOSA bytes differ"
     assert any(len(chain) for chain in ours[1])
     print("ok")
     """
