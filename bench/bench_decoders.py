@@ -22,12 +22,16 @@ and the same with `--dtypes bf16`, quiet; at f0e020b):
   smollm2_360m bf16: stock 420 and 1,135, etfold 2 and 2; 336.5 vs 297.3 ms (e/s 0.86,
   0.81-0.93), the linears alone 274.5 ms, eager bf16 292.1 ms; lowering 405 vs 161 CPU s;
   3.70 vs 3.44 GB; 11 min 13 s.
+  smollm2_360m fp16 (`--dtypes fp16 --budget 6 --runs 3`, at a6dc530): stock 420 and
+  1,135, etfold 2 and 2; 430.3 vs 396.8 ms (e/s 0.88, 0.84-0.95), the linears alone
+  352.9 ms, eager fp16 1,646.0 ms; lowering 447 vs 176 CPU s; 3.79 vs 3.39 GB; error
+  against eager fp16 0.0083 vs 0.0081; 12 min 45 s.
   (`--models wav2vec2_large --dtypes fp32 --layers full --budget 10`, at 6449898)
   wav2vec2_large fp32: stock 106 delegates and 428 ops outside, etfold 1 and 0; 1,284.8
   vs 426.2 ms (e/s 0.33, 0.28-0.38); lowering 103.2 vs 98.9 CPU s (0.96x); 4.06 vs 4.13
   GB; 4 min 36 s.
-So etfold's full-size decoder takes 2 % (fp32) and 8 % (bf16) longer than its linears
-alone: no graph rewrite can make it much faster (a faster GEMM, or fewer multiply-adds,
+So etfold's full-size decoder takes 2 % (fp32), 8 % (bf16) and 12 % (fp16) longer than
+its linears alone: no graph rewrite can make it much faster (a faster GEMM, or fewer multiply-adds,
 would). The default run took 6 min 45 s wall beside another job
 (lowerings 37-54 CPU s each), the `--layers 2` run 7 min 14 s beside a heavier one. Ops
 outside and delegates repeat per layer, so a few layers show every pattern a full-size
