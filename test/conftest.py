@@ -90,13 +90,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread_per_worker():
     import torch
-    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+    from executorch.extension.pybindings import portable_lib
 
-    saved = torch.get_num_threads()
+    saved = torch.get_num_threads(), portable_lib._threadpool_get_thread_count()
     torch.set_num_threads(1)
-    _unsafe_reset_threadpool(1)
+    portable_lib._unsafe_reset_threadpool(1)
     yield
-    torch.set_num_threads(saved)
+    torch.set_num_threads(saved[0])
+    portable_lib._unsafe_reset_threadpool(saved[1])
 
 
 @pytest.fixture(autouse=True, scope="session")
