@@ -89,7 +89,8 @@ def _tosa_operators(tosa_graph: bytes):
             yield names[operator.Op()], operator, block
 
 
-def _tosa_tensor_shapes(block) -> dict[str, list[int]]:
+def _tosa_tensor_shapes(block) -> dict[bytes, list[int]]:
+    """Each tensor's shape by its serialized name (bytes, as operators name their inputs)."""
     return {
         tensor.Name(): [int(d) for d in tensor.ShapeAsNumpy()] if tensor.ShapeLength() else []
         for tensor in (block.Tensors(t) for t in range(block.TensorsLength()))
