@@ -104,9 +104,10 @@ def _one_thread_per_worker():
 def _torch_speedups():
     # imported here, not at the top: under xdist the controlling process loads this file
     # too, and torch's import there (8 s) would delay starting the workers
+    from etfold.backends.xnnpack.pattern_graphs_on_demand import patterns_on_demand
     from etfold.exir.program.lower import torch_speedups
 
-    with torch_speedups():
+    with torch_speedups(), patterns_on_demand():
         yield
 
 

@@ -6,6 +6,9 @@
 
 """Torch's lowering, minus repeats: the same bytes and provenance, and torch left as it was.
 
+XNNPACK's patterns built on demand are checked here too: a fresh interpreter is the
+only place where they have not been built yet.
+
 The suite runs inside the scope (test/conftest.py), so what torch does outside
 it is checked in a fresh interpreter.
 """
@@ -120,6 +123,12 @@ _FRESH_INTERPRETER = textwrap.dedent(
     import torch.export.decomp_utils as decomp_utils
     import torch.export.exported_program as exported_program
     from torch._ops import OperatorBase
+    from executorch.backends.xnnpack._passes.convert_to_sdpa import ConvertToSDPAPass
+    from executorch.backends.xnnpack._passes.convert_to_upsample_bilinear2d import (
+        ConvertToUpsampleBilinear2d,
+    )
+    from executorch.backends.xnnpack.partition.graphs import bilinear_2d, sdpa
+    from etfold.backends.xnnpack.pattern_graphs_on_demand import patterns_on_demand
     from etfold.exir.program.lower import torch_speedups
 
     class Block(torch.nn.Module):
@@ -155,7 +164,9 @@ _FRESH_INTERPRETER = textwrap.dedent(
             m._collect_all_valid_cia_ops for m in (export_utils, exported_program, decomp_utils)
         ]
         graph_module_new = torch.fx.GraphModule.__dict__["__new__"]
-        return [fx_traceback.copy, OperatorBase.py_impl, graph_module_new, *collectors]
+        xnnpack = [ConvertToSDPAPass.call, ConvertToUpsampleBilinear2d.call, sdpa.get_graphs]
+        xnnpack.append(bilinear_2d.get_graphs_dict)
+        return [fx_traceback.copy, OperatorBase.py_impl, graph_module_new, *collectors, *xnnpack]
 
     def tosa_graphs():
         from etfold.harness.tosa_runner import FP, lower_tosa
@@ -164,11 +175,15 @@ _FRESH_INTERPRETER = textwrap.dedent(
 
     torchs_own = patched()
     torchs_lookup = export_utils._materialize_cpp_cia_ops
-    torchs, torchs_tosa = lowered(), tosa_graphs()
-    with torch_speedups():
-        with torch_speedups():
+    # etfold's lowering first: it builds no XNNPACK patterns (the Block has no softmax and
+    # no bilinear upsample), upstream's then builds them, and the bytes are the same
+    with torch_speedups(), patterns_on_demand():
+        with torch_speedups(), patterns_on_demand():
             assert all(a is not b for a, b in zip(patched(), torchs_own))
         ours, our_tosa = lowered(), tosa_graphs()
+    assert sdpa.get_graphs.cache_info().misses == 0, "patterns built"
+    torchs, torchs_tosa = lowered(), tosa_graphs()
+    assert sdpa.get_graphs.cache_info().misses == 1
     assert all(a is b for a, b in zip(patched(), torchs_own)), "torch not restored"
     assert export_utils._materialize_cpp_cia_ops is torchs_lookup, "torch not restored"
     assert ours[0] == torchs[0], "program bytes differ"
