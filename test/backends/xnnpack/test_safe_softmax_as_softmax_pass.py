@@ -145,15 +145,15 @@ def _attention(dtype, causal, mask=None, buffer=False):
     return Attention(causal=causal, mask=mask, buffer=buffer).to(dtype).eval()
 
 
+# Each dtype and each mask form once in `make test`; the other two pairings in `make test-long`.
 @pytest.mark.parametrize(
     ("dtype", "causal", "atol"),
     [
-        (torch.float32, False, 1e-5),
-        (torch.float32, True, 1e-5),
-        (torch.float16, False, 4e-3),
-        (torch.float16, True, 4e-3),
+        pytest.param(torch.float32, False, 1e-5, id="fp32"),
+        pytest.param(torch.float32, True, 1e-5, id="fp32-causal", marks=pytest.mark.long),
+        pytest.param(torch.float16, False, 4e-3, id="fp16", marks=pytest.mark.long),
+        pytest.param(torch.float16, True, 4e-3, id="fp16-causal"),
     ],
-    ids=["fp32", "fp32-causal", "fp16", "fp16-causal"],
 )
 def test_encoder_attention_is_one_delegate_and_matches_eager(dtype, causal, atol):
     inputs = (_tokens(dtype),)
