@@ -13,7 +13,8 @@ about 90 ms per observer, a tenth of an INT test's time. Inside
 `histogram_search_on_numbers()` the walk reads the cumulative sums as float32
 numbers and compares them with the bound rounded to float32, which is what
 torch's tensor-scalar comparison does, and calls the observer's own error
-measure: the chosen min/max are the ones torchao chooses. Where torchao has
+measure: the chosen min/max are the ones torchao chooses. Runs of steps that
+move no bound (most of them) are taken a chunk at a time. Where torchao has
 no such method the scope changes nothing; it undoes itself on exit.
 """
 
@@ -28,6 +29,7 @@ import torch
 from etfold.exir.program.reentrant_patch import ReentrantPatch
 
 STEP = 1e-5  # the search's quantile granularity, as torchao walks it
+_STALL_CHUNK = 4096
 _ATTRIBUTE = "_non_linear_param_search"
 _saved: list = []
 
@@ -42,6 +44,31 @@ def _bounds_inward(cumulative, start: int, end: int, low: float, high: float) ->
     while right > start and cumulative[right] > high_mass:
         right -= 1
     return left, right
+
+
+def _high_after_stalled_steps(top, low_quantile: float, high_quantile: float, total: float):
+    """The high quantile at the walk's next step that moves a bound or ends the walk.
+
+    While no bound moves, a step only lowers the high quantile by STEP (the low
+    one stays, so the low bound does too): the walk's own sequence of roundings,
+    taken a chunk at a time (`cumsum` adds in order), instead of one Python step
+    each. `top` is the cumulative mass at the upper bound (None: it cannot move).
+    """
+    while True:
+        steps = np.full(_STALL_CHUNK + 1, -STEP)
+        steps[0] = high_quantile
+        highs = np.cumsum(steps)  # highs[i]: the high quantile as step i begins
+        ends = ~(low_quantile < highs[:-1])
+        moves = np.zeros(_STALL_CHUNK, bool) if top is None else top > _masses(highs[1:], total)
+        stop = np.flatnonzero(ends | moves)
+        if stop.size:
+            return float(highs[stop[0]])
+        high_quantile = float(highs[-1])
+
+
+def _masses(quantiles, total: float):
+    """`np.float32(q * total)` for each quantile: a double product rounded once to float32."""
+    return (quantiles * total).astype(np.float32)
 
 
 def search_min_max(observer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +88,9 @@ def search_min_max(observer) -> tuple[torch.Tensor, torch.Tensor]:
         else:
             next_end, high_quantile = right, high
         if (next_start, next_end) == (start, end):
+            high_quantile = _high_after_stalled_steps(
+                cumulative[end] if end > start else None, low_quantile, high_quantile, total
+            )
             continue
         error = observer._compute_quantization_error(next_start, next_end)
         if error > least_error:
