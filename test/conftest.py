@@ -28,11 +28,12 @@
   runtime's threadpool): `make test` runs one worker per core, and two pools
   of two threads each on two cores spend their time waiting for each other
   (7-8 % of the suite's time), on models too small to gain from a second thread.
-- Every test runs inside `torch_speedups()`, as etfold's entry point does: torch
+- Every test runs inside `lowering_speedups()`, as `etfold report` does: torch
   lowers exactly as it would, without repeating one lookup per op namespace,
   one kernel-registration closure per op and key, or a deep copy of every
   node's provenance chain on every pass (each a fifth to a third of a
-  lowering, stock and etfold alike).
+  lowering, stock and etfold alike), and XNNPACK builds its SDPA and bilinear
+  match patterns only for a graph that holds their op.
 """
 
 import gc
@@ -101,13 +102,12 @@ def _one_thread_per_worker():
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _torch_speedups():
+def _lowering_speedups():
     # imported here, not at the top: under xdist the controlling process loads this file
     # too, and torch's import there (8 s) would delay starting the workers
-    from etfold.backends.xnnpack.pattern_graphs_on_demand import patterns_on_demand
-    from etfold.exir.program.lower import torch_speedups
+    from etfold.harness.lowering_speedups import lowering_speedups
 
-    with torch_speedups(), patterns_on_demand():
+    with lowering_speedups():
         yield
 
 
