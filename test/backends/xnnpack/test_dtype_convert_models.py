@@ -97,7 +97,7 @@ def test_rmsnorm_in_fp32_inside_a_bf16_block():
 
 DECODERS = {"gemma3": tiny_gemma3, "llama": tiny_llama}
 # logits spread wide enough that argmax is decided by the model, not by rounding
-DECODER_SIZE = dict(hidden=64, vocab=64, initializer_range=0.3)
+DECODER_SIZE = dict(hidden=64, vocab=64, layers=1, initializer_range=0.3)
 
 
 # The llama in bf16 in `make test` (the gemma3 in fp16 lowers there too, through the
