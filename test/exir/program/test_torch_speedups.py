@@ -6,8 +6,9 @@
 
 """Torch's lowering, minus repeats: the same bytes and provenance, and torch left as it was.
 
-XNNPACK's patterns built on demand are checked here too: a fresh interpreter is the
-only place where they have not been built yet.
+Checked through `lowering_speedups()`, the scope the suite and `etfold report` enter
+(torch's speedups and XNNPACK's patterns built on demand): a fresh interpreter is the
+only place where the patterns have not been built yet.
 
 The suite runs inside the scope (test/conftest.py), so what torch does outside
 it is checked in a fresh interpreter.
@@ -128,8 +129,7 @@ _FRESH_INTERPRETER = textwrap.dedent(
         ConvertToUpsampleBilinear2d,
     )
     from executorch.backends.xnnpack.partition.graphs import bilinear_2d, sdpa
-    from etfold.backends.xnnpack.pattern_graphs_on_demand import patterns_on_demand
-    from etfold.exir.program.lower import torch_speedups
+    from etfold.harness.lowering_speedups import lowering_speedups
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -175,10 +175,11 @@ _FRESH_INTERPRETER = textwrap.dedent(
 
     torchs_own = patched()
     torchs_lookup = export_utils._materialize_cpp_cia_ops
-    # etfold's lowering first: it builds no XNNPACK patterns (the Block has no softmax and
-    # no bilinear upsample), upstream's then builds them, and the bytes are the same
-    with torch_speedups(), patterns_on_demand():
-        with torch_speedups(), patterns_on_demand():
+    # upstream's lowering inside the scope first (as the report's stock row): it builds no
+    # XNNPACK patterns (the Block has no softmax and no bilinear upsample); the same lowering
+    # outside then builds them, and the bytes are the same
+    with lowering_speedups():
+        with lowering_speedups():
             assert all(a is not b for a, b in zip(patched(), torchs_own))
         ours, our_tosa = lowered(), tosa_graphs()
     assert sdpa.get_graphs.cache_info().misses == 0, "patterns built"
