@@ -31,6 +31,7 @@ from torch.export import ExportedProgram
 from etfold.exir.emit.external_constants import check_external_constant_names
 from etfold.exir.program.buffer_marks import mark_buffer_fold_blockers
 from etfold.exir.program.composite_op_lookup import one_composite_op_lookup_per_walk
+from etfold.exir.program.composite_op_overrides import one_override_write_per_composite_op
 from etfold.exir.program.lazy_pass_modules import code_on_first_use_for_pass_modules
 from etfold.exir.program.lowering_scopes import lowering_scopes
 from etfold.exir.program.method_marks import (
@@ -51,14 +52,16 @@ MARKING_STEPS: tuple[MarkingStep, ...] = (
 
 @contextlib.contextmanager
 def torch_speedups():
-    """Torch's own lowering work, minus repeats: one composite-op lookup per walk, one kernel
-    registration closure per op and key, provenance chains shared instead of deep-copied,
-    Python code for a pass's graph module written when first used, not at every pass.
+    """Torch's own lowering work, minus repeats: one composite-op lookup per walk, one write
+    of each composite op's override kernels, one kernel registration closure per op and key,
+    provenance chains shared instead of deep-copied, Python code for a pass's graph module
+    written when first used, not at every pass.
 
     Programs come out byte-identical; torch is as it was once the scope exits.
     """
     with (
         one_composite_op_lookup_per_walk(),
+        one_override_write_per_composite_op(),
         one_py_kernel_closure_per_key(),
         shared_provenance_chains(),
         code_on_first_use_for_pass_modules(),

@@ -15,6 +15,7 @@ it is checked in a fresh interpreter.
 """
 
 import copy
+import functools
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,10 @@ import pytest
 import torch
 from torch.fx import traceback as fx_traceback
 
+from etfold.exir.program.composite_op_overrides import (
+    one_override_write_per_composite_op,
+    torchs_override,
+)
 from etfold.exir.program.lazy_pass_modules import code_on_first_use_for_pass_modules
 from etfold.exir.program.py_kernel_closures import one_py_kernel_closure_per_key
 from etfold.exir.program.reentrant_patch import ReentrantPatch
@@ -74,6 +79,51 @@ class ConvTanh(torch.nn.Module):
 
     def forward(self, x):
         return torch.tanh(self.conv(x)) * 0.5
+
+
+def _kernels_of(ops) -> dict:
+    """Each op's kernel table and fake-rule registration, with kernels made per call described."""
+    from torch._higher_order_ops.utils import autograd_not_implemented
+    from torch._subclasses.fake_impls import op_implementations_dict
+
+    refuser = autograd_not_implemented(torch.ops.aten.relu.default, deferred_error=True)
+
+    def described(kernel):
+        if isinstance(kernel, functools.partial):
+            function = getattr(kernel.func, "__code__", kernel.func)  # torch makes one per call
+            return ("partial", function, tuple(kernel.args), tuple(kernel.keywords.items()))
+        if getattr(kernel, "__code__", None) is refuser.__code__:
+            return ("refuses autograd", kernel.__closure__[1].cell_contents)
+        return kernel
+
+    return {
+        op: (
+            [(key, described(k)) for key, k in op.py_kernels.items()],
+            op in op_implementations_dict,
+        )
+        for op in ops
+    }
+
+
+def test_composite_op_overrides_leave_every_kernel_and_fake_rule_as_torchs_and_restore_them():
+    """Inside the override and after it, torch's and the scope's leave the same state (torch's
+    exit also drops fake rules registered before it: the scope does as torch does)."""
+    from executorch.exir.tracer import _default_decomposition_table
+    from torch.export import exported_program
+
+    for table in ({}, _default_decomposition_table()):
+        overrides, _ = exported_program._split_decomp_table_to_cia_and_python_decomp(dict(table))
+        with torchs_override()(overrides):
+            torchs = _kernels_of(overrides)
+        torchs_after = _kernels_of(overrides)
+        # the override is looked up once the scope is entered
+        with (
+            one_override_write_per_composite_op(),
+            exported_program._override_composite_implicit_decomp(overrides),
+        ):
+            ours = _kernels_of(overrides)
+        assert len(ours) > 400 and ours == torchs
+        assert _kernels_of(overrides) == torchs_after
 
 
 def test_a_pass_module_writes_torchs_code_when_first_used_and_other_modules_are_torchs():
@@ -164,9 +214,11 @@ _FRESH_INTERPRETER = textwrap.dedent(
             m._collect_all_valid_cia_ops for m in (export_utils, exported_program, decomp_utils)
         ]
         graph_module_new = torch.fx.GraphModule.__dict__["__new__"]
+        override = exported_program._override_composite_implicit_decomp
         xnnpack = [ConvertToSDPAPass.call, ConvertToUpsampleBilinear2d.call, sdpa.get_graphs]
         xnnpack.append(bilinear_2d.get_graphs_dict)
-        return [fx_traceback.copy, OperatorBase.py_impl, graph_module_new, *collectors, *xnnpack]
+        torchs = [fx_traceback.copy, OperatorBase.py_impl, graph_module_new, override]
+        return [*torchs, *collectors, *xnnpack]
 
     def tosa_graphs():
         from etfold.harness.tosa_runner import FP, lower_tosa
