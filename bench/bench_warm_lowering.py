@@ -1,0 +1,95 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""A warm XNNPACK lowering: upstream's, upstream's inside etfold's speedups, and etfold's.
+
+    .venv/bin/python bench/bench_warm_lowering.py [--budget SECONDS] [--rounds N]
+
+Three flavours per model, timed interleaved in one process after warm-up
+(`etfold.harness.timing`), each lowering an exported program to a program
+buffer: `stock` is upstream's entry point and partitioner; `speedups` is the
+same call inside `lowering_speedups()` (the scope etfold's entry point, the
+suite and `etfold report` enter; its bytes must equal stock's, checked here);
+`etfold` is etfold's entry point and partitioner, which also run etfold's
+folds. Prints per flavour the median milliseconds per lowering and the ratio
+to stock per round: median (p10-p90).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+        self.out = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return self.out(torch.softmax(q @ k.transpose(-1, -2) / 32**0.5, -1) @ v)
+
+
+def _models() -> dict[str, tuple[torch.nn.Module, tuple]]:
+    torch.manual_seed(0)
+    conv = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3), torch.nn.GELU()
+    )
+    return {
+        "small CNN": (conv.eval(), (torch.randn(1, 3, 16, 16),)),
+        "attention": (Attention().eval(), (torch.randn(1, 8, 32),)),
+    }
+
+
+def _flavours(program):
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+        XnnpackPartitioner as StockPartitioner,
+    )
+    from executorch.exir import to_edge_transform_and_lower as stock_lower
+
+    from etfold.backends.xnnpack import XnnpackPartitioner
+    from etfold.exir import to_edge_transform_and_lower
+    from etfold.harness.lowering_speedups import lowering_speedups
+
+    def stock():
+        return stock_lower(program, partitioner=[StockPartitioner()]).to_executorch().buffer
+
+    def speedups():
+        with lowering_speedups():
+            return stock()
+
+    def etfold():
+        lowered = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+        return lowered.to_executorch().buffer
+
+    return {"stock": stock, "speedups": speedups, "etfold": etfold}
+
+
+def main() -> None:
+    from etfold.harness.timing import time_interleaved
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budget", type=float, default=30.0, help="seconds per model")
+    parser.add_argument("--rounds", type=int, default=8, help="at least this many rounds")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"{'model':10s} {'flavour':9s} {'ms':>7s}  vs stock median (p10-p90)")
+    for name, (module, inputs) in _models().items():
+        flavours = _flavours(torch.export.export(module, inputs))
+        if flavours["speedups"]() != flavours["stock"]():
+            raise SystemExit(f"{name}: the speedups changed the program's bytes")
+        timing = time_interleaved(flavours, budget_s=args.budget, min_rounds=args.rounds, warmup=1)
+        for flavour, spread in timing.milliseconds.items():
+            ratio = "" if flavour == "stock" else timing.ratios[("stock", flavour)]
+            cell = f"{ratio.median:.2f}x ({ratio.p10:.2f}-{ratio.p90:.2f})" if ratio else ""
+            print(f"{name:10s} {flavour:9s} {spread.median:7.0f}  {cell}")
+
+
+if __name__ == "__main__":
+    main()
