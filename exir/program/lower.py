@@ -39,6 +39,7 @@ from etfold.exir.program.method_marks import (
     mark_constants_shared_across_methods,
     mark_methods,
 )
+from etfold.exir.program.preservable_op_checks import fixed_preservability_checked_once
 from etfold.exir.program.py_kernel_closures import one_py_kernel_closure_per_key
 from etfold.exir.program.shared_provenance import shared_provenance_chains
 from etfold.exir.program.working_copy import copy_for_rewrite
@@ -52,8 +53,9 @@ MARKING_STEPS: tuple[MarkingStep, ...] = (
 
 @contextlib.contextmanager
 def torch_speedups():
-    """Torch's own lowering work, minus repeats: one composite-op lookup per walk, one write
-    of each composite op's override kernels, one kernel registration closure per op and key,
+    """Torch's own lowering work, minus repeats: one composite-op lookup per walk, an op's
+    schema judged once, one write of each composite op's override kernels, one kernel
+    registration closure per op and key,
     provenance chains shared instead of deep-copied, Python code for a pass's graph module
     written when first used, not at every pass.
 
@@ -61,6 +63,7 @@ def torch_speedups():
     """
     with (
         one_composite_op_lookup_per_walk(),
+        fixed_preservability_checked_once(),
         one_override_write_per_composite_op(),
         one_py_kernel_closure_per_key(),
         shared_provenance_chains(),

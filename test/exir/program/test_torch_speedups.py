@@ -29,6 +29,10 @@ from etfold.exir.program.composite_op_overrides import (
     torchs_override,
 )
 from etfold.exir.program.lazy_pass_modules import code_on_first_use_for_pass_modules
+from etfold.exir.program.preservable_op_checks import (
+    fixed_preservability_checked_once,
+    torchs_check,
+)
 from etfold.exir.program.py_kernel_closures import one_py_kernel_closure_per_key
 from etfold.exir.program.reentrant_patch import ReentrantPatch
 from etfold.exir.program.shared_provenance import shared_provenance_chains
@@ -126,6 +130,40 @@ def test_composite_op_overrides_leave_every_kernel_and_fake_rule_as_torchs_and_r
         assert _kernels_of(overrides) == torchs_after
 
 
+def _every_overload():
+    for name in list(torch.ops._dir):
+        namespace = getattr(torch.ops, name)
+        if isinstance(namespace, torch._ops._OpNamespace):
+            for packet in list(namespace):
+                yield from getattr(namespace, packet).op_overloads()
+
+
+def test_preservability_is_torchs_for_every_op_and_follows_kernel_registrations():
+    """Every op judged as torch judges it; an op whose kernels are dropped while the scope is
+    open (its library destroyed) is judged again, not from what was cached."""
+    from torch._export import utils as export_utils
+
+    outside = export_utils._check_valid_to_preserve
+    library = torch.library.Library("etfold_preserve_probe", "DEF")
+    library.define("scaled(Tensor x) -> Tensor")
+    library.impl("scaled", lambda x: 2 * x, "CompositeImplicitAutograd")
+    probe = torch.ops.etfold_preserve_probe.scaled.default
+    try:
+        with fixed_preservability_checked_once():
+            ours = export_utils._check_valid_to_preserve
+            assert ours is not torchs_check()
+            verdicts = [(op, ours(op), torchs_check()(op)) for op in _every_overload()]
+            registered = ours(probe), torchs_check()(probe)
+            library._destroy()
+            dropped = ours(probe), torchs_check()(probe)
+        assert export_utils._check_valid_to_preserve is outside
+    finally:
+        library._destroy()
+    assert len(verdicts) > 1000 and all(a == b for _, a, b in verdicts)
+    assert {a for _, a, _ in verdicts} == {True, False}
+    assert registered == (True, True) and dropped == (False, False)
+
+
 def test_a_pass_module_writes_torchs_code_when_first_used_and_other_modules_are_torchs():
     from executorch.exir.pass_base import ExportPass
     from torch.fx._lazy_graph_module import _LazyGraphModule
@@ -215,9 +253,10 @@ _FRESH_INTERPRETER = textwrap.dedent(
         ]
         graph_module_new = torch.fx.GraphModule.__dict__["__new__"]
         override = exported_program._override_composite_implicit_decomp
+        preservable = export_utils._check_valid_to_preserve
         xnnpack = [ConvertToSDPAPass.call, ConvertToUpsampleBilinear2d.call, sdpa.get_graphs]
         xnnpack.append(bilinear_2d.get_graphs_dict)
-        torchs = [fx_traceback.copy, OperatorBase.py_impl, graph_module_new, override]
+        torchs = [fx_traceback.copy, OperatorBase.py_impl, graph_module_new, override, preservable]
         return [*torchs, *collectors, *xnnpack]
 
     def tosa_graphs():
