@@ -16,6 +16,7 @@ Drop-in: the same constructor arguments as upstream's, plus
 from __future__ import annotations
 
 import contextvars
+import functools
 
 import torch
 from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
@@ -113,23 +114,27 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         if self.delegate_dtype_converts:
             exported_program = widen_half_precision_ops(exported_program)
         exported_program = read_last_axis_normalizations_contiguous(exported_program)
+        # ExecuTorch's table, built at most once per call: building it walks every composite op
+        lowerings_table = functools.cache(lambda: dict(_default_decomposition_table().items()))
         if self.fold_weights:
             slots = seed_slots(self.target_partitioner_configs.values())
             exported_program = fold_gemm_weights(
-                exported_program, slots, self._decomposition_table(exported_program)
+                exported_program,
+                slots,
+                self._decomposition_table(exported_program, lowerings_table()),
             )
         configs, user_bf16 = self.target_partitioner_configs, self._user_enable_bf16
         bf16 = bf16_applies(exported_program, user_bf16)
         if not self.per_op_mode and "_softmax.default" in configs:
             # before the expands: it decomposes SDPA, whose expands that pass then sees
             exported_program = safe_softmaxes_as_softmax(
-                exported_program, self._decomposition_table(exported_program)
+                exported_program, self._decomposition_table(exported_program, lowerings_table())
             )
         if not self.per_op_mode and set(COPY_TARGETS) <= configs.keys():
             # before the shape ops: an unsqueeze beside an expand joins no delegate
             exported_program = expands_as_delegated_ops(
                 exported_program,
-                self._decomposition_table(exported_program),
+                self._decomposition_table(exported_program, lowerings_table()),
                 [op for op, target in BROADCASTING_OPS.items() if target in configs],
                 bf16=bf16 and bf16_setting("cat.default", user_bf16),
             )
@@ -151,7 +156,7 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         if "mul.Tensor" in configs:
             exported_program = mul_scalars_as_tensors(
                 exported_program,
-                self._decomposition_table(exported_program),
+                self._decomposition_table(exported_program, lowerings_table()),
                 bf16=bf16 and bf16_setting("mul.Tensor", user_bf16),
             )
         return exported_program
@@ -183,9 +188,12 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         delegated = delegated_op_names(self.target_partitioner_configs)
         return shape_ops_as_views(exported_program, delegated, bf16=bf16)
 
-    def _decomposition_table(self, exported_program: ExportedProgram) -> dict:
-        """What the lowering will decompose: ExecuTorch's table less the ops kept for XNNPACK."""
-        table = _default_decomposition_table()
+    def _decomposition_table(
+        self, exported_program: ExportedProgram, lowerings: dict | None = None
+    ) -> dict:
+        """What the lowering will decompose: ExecuTorch's table (`lowerings` when given)
+        less the ops kept for XNNPACK."""
+        table = dict(lowerings) if lowerings is not None else _default_decomposition_table()
         for op in self.ops_to_not_decompose(exported_program)[0]:
             table.pop(op, None)
         return table
