@@ -55,9 +55,8 @@ MARKING_STEPS: tuple[MarkingStep, ...] = (
 def torch_speedups():
     """Torch's own lowering work, minus repeats: one composite-op lookup per walk, an op's
     schema judged once, one write of each composite op's override kernels, one kernel
-    registration closure per op and key,
-    provenance chains shared instead of deep-copied, Python code for a pass's graph module
-    written when first used, not at every pass.
+    registration closure per op and key, provenance chains shared instead of deep-copied,
+    Python code for a pass's graph module written when first used, not at every pass.
 
     Programs come out byte-identical; torch is as it was once the scope exits.
     """
