@@ -45,6 +45,7 @@ class _TorchInternals:
     has_fake_rule: Callable
     register_fake_rule: Callable
     deregister_fake_rule: Callable
+    keys_added_to_no_kernels: tuple[dict, ...]
 
 
 def _torch_internals() -> _TorchInternals | None:
@@ -54,14 +55,17 @@ def _torch_internals() -> _TorchInternals | None:
         from torch._subclasses import fake_impls
 
         defining = importlib.import_module(_DEFINED_IN)
+        autograd_keys = tuple(defining._AUTOGRAD_ALIAS_BACKEND_KEYS_TO_OVERRIDE)
+        backend_keys = tuple(defining._BACKEND_KEYS_TO_OVERRIDE)
         return _TorchInternals(
-            autograd_keys=tuple(defining._AUTOGRAD_ALIAS_BACKEND_KEYS_TO_OVERRIDE),
-            backend_keys=tuple(defining._BACKEND_KEYS_TO_OVERRIDE),
+            autograd_keys=autograd_keys,
+            backend_keys=backend_keys,
             original_composite_kernel=_get_decomp_for_cia,
             refuse_autograd=autograd_not_implemented,
             has_fake_rule=fake_impls._is_op_registered_to_fake_rule,
             register_fake_rule=fake_impls.register_op_impl,
             deregister_fake_rule=fake_impls._deregister_op_impl,
+            keys_added_to_no_kernels=_keys_added_to_no_kernels(autograd_keys, backend_keys),
         )
     except (ImportError, AttributeError):
         return None
@@ -82,8 +86,30 @@ def _registers_by_dict_write(op) -> bool:
     return isinstance(op, OpOverload) and type(op).py_impl is OperatorBase.py_impl
 
 
+def _keys_added_to_no_kernels(autograd_keys: tuple, backend_keys: tuple) -> tuple | None:
+    """The keys torch's override gives an op without Python kernels, in the order it adds them
+    (None where an autograd key is the composite one: then torch's order is followed key by key).
+
+    As dicts: a dict keeps each key's hash, and hashing a `DispatchKey` is a call into
+    C++ (~0.5 us, 20 keys an op), so filling a kernel table from them rehashes nothing.
+    """
+    if _COMPOSITE in autograd_keys:
+        return None
+    autograd = dict.fromkeys(autograd_keys)
+    backend = [key for key in backend_keys if key not in autograd and key != _COMPOSITE]
+    return autograd, {_COMPOSITE: None}, dict.fromkeys(backend)
+
+
 def _override(op: OpOverload, decomposition: Callable, torch_: _TorchInternals) -> None:
     """One op's kernels as torch's override leaves them, written in the order torch writes them."""
+    if op.py_kernels or torch_.keys_added_to_no_kernels is None:
+        _override_key_by_key(op, decomposition, torch_)
+    else:
+        _override_no_kernels(op, decomposition, torch_)
+    op._dispatch_cache.clear()
+
+
+def _override_key_by_key(op: OpOverload, decomposition: Callable, torch_: _TorchInternals) -> None:
     kernels = op.py_kernels
     refuse = torch_.refuse_autograd(op, deferred_error=True)
     for key in torch_.autograd_keys:
@@ -91,11 +117,27 @@ def _override(op: OpOverload, decomposition: Callable, torch_: _TorchInternals) 
     original = torch_.original_composite_kernel(op)
     kernels.pop(_COMPOSITE, None)
     kernels[_COMPOSITE] = decomposition
-    if not torch_.has_fake_rule(op):
-        torch_.register_fake_rule(op)(_fake_rule_running(original))
+    _fake_rule_unless_registered(op, original, torch_)
     for key in torch_.backend_keys:
         kernels.setdefault(key, original)
-    op._dispatch_cache.clear()
+
+
+def _override_no_kernels(op: OpOverload, decomposition: Callable, torch_: _TorchInternals) -> None:
+    """`_override_key_by_key` for an op without Python kernels: the table gets the same keys
+    in the same order; its composite kernel is asked for first, as the autograd keys torch
+    adds before asking cannot hold it."""
+    autograd, composite, backend = torch_.keys_added_to_no_kernels
+    original = torch_.original_composite_kernel(op)
+    kernels = op.py_kernels
+    kernels.update(dict.fromkeys(autograd, torch_.refuse_autograd(op, deferred_error=True)))
+    kernels.update(dict.fromkeys(composite, decomposition))
+    _fake_rule_unless_registered(op, original, torch_)
+    kernels.update(dict.fromkeys(backend, original))
+
+
+def _fake_rule_unless_registered(op: OpOverload, original: Callable, torch_) -> None:
+    if not torch_.has_fake_rule(op):
+        torch_.register_fake_rule(op)(_fake_rule_running(original))
 
 
 def _restore(op: OpOverload, saved: dict, torch_: _TorchInternals) -> None:
