@@ -14,7 +14,10 @@ interpreter by test_torch_speedups.py, for every scope of `torch_speedups`.
 import torch
 import torch.export.exported_program as exported_program
 
-from etfold.exir.program.composite_op_lookup import one_composite_op_lookup_per_walk
+from etfold.exir.program.composite_op_lookup import (
+    _composite_first,
+    one_composite_op_lookup_per_walk,
+)
 
 
 def _walk_and_torchs_own():
@@ -44,3 +47,32 @@ def test_an_op_library_defined_between_two_walks_is_collected_then_forgotten():
         ours, torchs = _walk_and_torchs_own()
     assert not any(op.name().startswith(probe) for op in ours)
     assert ours == torchs
+
+
+def _every_overload():
+    for name in list(torch.ops._dir):
+        namespace = getattr(torch.ops, name)
+        if isinstance(namespace, torch._ops._OpNamespace):
+            for packet in list(namespace):
+                yield from getattr(namespace, packet).op_overloads()
+
+
+def test_every_op_is_judged_preservable_as_torch_judges_it_python_composite_kernels_included():
+    from torch._export import utils
+
+    library = torch.library.Library("etfold_py_composite_probe", "DEF")
+    try:
+        library.define("scaled(Tensor x) -> Tensor")
+        library.impl("scaled", lambda x: 2 * x, "CPU")
+        probe = torch.ops.etfold_py_composite_probe.scaled.default
+        probe.py_impl(torch._C.DispatchKey.CompositeImplicitAutograd)(lambda x: 2 * x)
+        registered = torch._C._dispatch_get_registrations_for_dispatch_key(
+            "CompositeImplicitAutograd"
+        )
+        ours = _composite_first(frozenset(registered), utils)
+        ops = list(_every_overload())
+        verdicts = {op: ours(op) for op in ops}
+        assert len(ops) > 1000 and sum(verdicts.values()) > 400 and verdicts[probe]
+        assert verdicts == {op: utils._is_preservable_cia_op(op) for op in ops}
+    finally:
+        library._destroy()
