@@ -57,6 +57,62 @@ def lower_tosa_with_passes(
         return lower_tosa(copy.deepcopy(program), profile or INT)
 
 
+def lower_tosa_without_and_with_passes(
+    program,
+    *,
+    before: Mapping[type, Sequence[object]] | None = None,
+    after: Mapping[type, Sequence[object]] | None = None,
+    profile: str | None = None,
+):
+    """`lower_tosa_with_passes(program)`, then with `before`/`after` inserted and the fold
+    decisions that second lowering records; one edge stage for both.
+
+    Inserted passes run in the TOSA backend pipeline, after the edge stage (a third to
+    two thirds of a TOSA INT lowering), so the second lowering starts from a deep copy
+    of the first's edge programs. Where the edge stage recorded a fold decision, the
+    second lowering runs its own, so its decisions are complete.
+    """
+    from etfold.decisions import collect_decisions
+
+    with _edge_stage_replayed():
+        without = lower_tosa_with_passes(program, profile=profile)
+        with collect_decisions() as decisions:
+            with_passes = lower_tosa_with_passes(
+                program, before=before, after=after, profile=profile
+            )
+    return without, with_passes, decisions
+
+
+@contextlib.contextmanager
+def _edge_stage_replayed() -> Iterator[None]:
+    """Inside, upstream's edge stage runs once; later lowerings get a deep copy of its result."""
+    import copy
+
+    from executorch.exir.program import _program
+
+    from etfold.decisions import collect_decisions
+
+    original = _program._gen_edge_manager_for_partitioners
+    recorded: list = []
+
+    def edge_stage(partitioner, aten_programs, config, *args, **kwargs):
+        if recorded:
+            manager, exceptions = recorded
+            config._core_aten_ops_exception_list = list(exceptions)  # upstream's side effect
+            return copy.deepcopy(manager, {id(manager.compile_config): config})
+        with collect_decisions() as decisions:
+            manager = original(partitioner, aten_programs, config, *args, **kwargs)
+        if not decisions:
+            recorded[:] = [copy.deepcopy(manager), list(config._core_aten_ops_exception_list)]
+        return manager
+
+    _program._gen_edge_manager_for_partitioners = edge_stage
+    try:
+        yield
+    finally:
+        _program._gen_edge_manager_for_partitioners = original
+
+
 def _export_pass_base():
     from executorch.exir.pass_base import ExportPass
 

@@ -23,7 +23,7 @@ from etfold.decisions import collect_decisions
 from etfold.demo_models.arm_dyt import DYT_CONV_KINDS as CONVS
 from etfold.demo_models.arm_dyt import DyT, DyTConv, randomize_affine
 from etfold.harness.arm_passes import (
-    lower_tosa_with_passes,
+    lower_tosa_without_and_with_passes,
     program_at,
     run_pass_on,
 )
@@ -76,9 +76,7 @@ def _integer_passes():
 def _lower_both(module, samples):
     """Unfolded and folded lowerings of one quantized program: codes must be identical."""
     program = quantize_for_tosa(module.eval(), samples[0], calibration=samples[1:])
-    unfolded = lower_tosa_with_passes(program)
-    with collect_decisions() as decisions:
-        folded = lower_tosa_with_passes(program, **_integer_passes())
+    unfolded, folded, decisions = lower_tosa_without_and_with_passes(program, **_integer_passes())
     for sample in samples:
         for a, b in zip(unfolded.run(*sample).codes, folded.run(*sample).codes, strict=True):
             assert torch.equal(a, b)

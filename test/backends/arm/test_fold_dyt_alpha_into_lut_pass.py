@@ -20,6 +20,7 @@ from etfold.backends.arm._passes.fold_dyt_alpha_into_lut_pass import (
 from etfold.decisions import collect_decisions
 from etfold.harness.arm_passes import (
     lower_tosa_with_passes,
+    lower_tosa_without_and_with_passes,
     program_at,
     run_pass_on,
 )
@@ -56,11 +57,9 @@ def test_alpha_folds_into_one_table_bit_identically(nhwc, alpha):
     module = TanhOfScaled(alpha, nhwc).eval()
     samples = _inputs()
     program = quantize_for_tosa(module, samples[0], calibration=samples[1:])
-    unfolded = lower_tosa_with_passes(program)
-    with collect_decisions() as decisions:
-        folded = lower_tosa_with_passes(
-            program, before={InsertTableOpsPass: [FoldDyTAlphaIntoLUTPass()]}
-        )
+    unfolded, folded, decisions = lower_tosa_without_and_with_passes(
+        program, before={InsertTableOpsPass: [FoldDyTAlphaIntoLUTPass()]}
+    )
     assert [(d.fold, d.applied) for d in decisions] == [(FOLD, True)]
     before, after = unfolded.operator_counts(), folded.operator_counts()
     assert (before["MUL"], before["TABLE"]) == (1, 1)
