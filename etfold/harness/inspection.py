@@ -34,6 +34,15 @@ def op_name(target) -> str:
     return name
 
 
+def every_op_overload():
+    """Every overload of every op `torch.ops` holds so far, namespace by namespace."""
+    for name in list(torch.ops._dir):
+        namespace = getattr(torch.ops, name)
+        if isinstance(namespace, torch._ops._OpNamespace):
+            for packet in list(namespace):
+                yield from getattr(namespace, packet).op_overloads()
+
+
 def lowered_modules(program) -> list[LoweredBackendModule]:
     graph_module = _graph_module(program)
     return [

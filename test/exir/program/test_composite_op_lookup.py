@@ -18,6 +18,7 @@ from etfold.exir.program.composite_op_lookup import (
     _composite_first,
     one_composite_op_lookup_per_walk,
 )
+from etfold.harness.inspection import every_op_overload
 
 
 def _walk_and_torchs_own():
@@ -49,14 +50,6 @@ def test_an_op_library_defined_between_two_walks_is_collected_then_forgotten():
     assert ours == torchs
 
 
-def _every_overload():
-    for name in list(torch.ops._dir):
-        namespace = getattr(torch.ops, name)
-        if isinstance(namespace, torch._ops._OpNamespace):
-            for packet in list(namespace):
-                yield from getattr(namespace, packet).op_overloads()
-
-
 def test_every_op_is_judged_preservable_as_torch_judges_it_python_composite_kernels_included():
     from torch._export import utils
 
@@ -70,7 +63,7 @@ def test_every_op_is_judged_preservable_as_torch_judges_it_python_composite_kern
             "CompositeImplicitAutograd"
         )
         ours = _composite_first(frozenset(registered), utils)
-        ops = list(_every_overload())
+        ops = list(every_op_overload())
         verdicts = {op: ours(op) for op in ops}
         assert len(ops) > 1000 and sum(verdicts.values()) > 400 and verdicts[probe]
         assert verdicts == {op: utils._is_preservable_cia_op(op) for op in ops}

@@ -36,6 +36,7 @@ from etfold.exir.program.preservable_op_checks import (
 from etfold.exir.program.py_kernel_closures import one_py_kernel_closure_per_key
 from etfold.exir.program.reentrant_patch import ReentrantPatch
 from etfold.exir.program.shared_provenance import shared_provenance_chains
+from etfold.harness.inspection import every_op_overload
 
 
 def _chain(length: int) -> list:
@@ -130,14 +131,6 @@ def test_composite_op_overrides_leave_every_kernel_and_fake_rule_as_torchs_and_r
         assert _kernels_of(overrides) == torchs_after
 
 
-def _every_overload():
-    for name in list(torch.ops._dir):
-        namespace = getattr(torch.ops, name)
-        if isinstance(namespace, torch._ops._OpNamespace):
-            for packet in list(namespace):
-                yield from getattr(namespace, packet).op_overloads()
-
-
 def test_preservability_is_torchs_for_every_op_and_follows_kernel_registrations():
     """Every op judged as torch judges it; an op whose kernels are dropped while the scope is
     open (its library destroyed) is judged again, not from what was cached."""
@@ -152,7 +145,7 @@ def test_preservability_is_torchs_for_every_op_and_follows_kernel_registrations(
         with fixed_preservability_checked_once():
             ours = export_utils._check_valid_to_preserve
             assert ours is not torchs_check()
-            verdicts = [(op, ours(op), torchs_check()(op)) for op in _every_overload()]
+            verdicts = [(op, ours(op), torchs_check()(op)) for op in every_op_overload()]
             registered = ours(probe), torchs_check()(probe)
             library._destroy()
             dropped = ours(probe), torchs_check()(probe)
