@@ -13,9 +13,11 @@ dispatch-cache clearing run once per key. That is ~12,000 registrations, about
 80 ms a call and three calls per lowering: a fifth of lowering a small model.
 Inside `one_override_write_per_composite_op()` each op gets the same kernels
 under the same keys, in the same order, and the same fake-tensor rule, written
-into its kernel table at once with its dispatch cache cleared once; on exit
-every op is restored exactly as torch restores it. Where torch's internals are
-not the ones this was written against, the scope changes nothing.
+into its kernel table at once with its dispatch cache cleared once (an op
+without Python kernels from dicts that keep the keys' hashes: hashing a
+`DispatchKey` is a call into C++); on exit every op is restored exactly as
+torch restores it. Where torch's internals are not the ones this was written
+against, the scope changes nothing.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class _TorchInternals:
     has_fake_rule: Callable
     register_fake_rule: Callable
     deregister_fake_rule: Callable
-    keys_added_to_no_kernels: tuple[dict, ...]
+    keys_added_to_no_kernels: tuple[dict, ...] | None
 
 
 def _torch_internals() -> _TorchInternals | None:
@@ -135,7 +137,9 @@ def _override_no_kernels(op: OpOverload, decomposition: Callable, torch_: _Torch
     kernels.update(dict.fromkeys(backend, original))
 
 
-def _fake_rule_unless_registered(op: OpOverload, original: Callable, torch_) -> None:
+def _fake_rule_unless_registered(
+    op: OpOverload, original: Callable, torch_: _TorchInternals
+) -> None:
     if not torch_.has_fake_rule(op):
         torch_.register_fake_rule(op)(_fake_rule_running(original))
 
