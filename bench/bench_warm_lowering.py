@@ -25,25 +25,16 @@ import argparse
 import torch
 
 
-class Attention(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.qkv = torch.nn.Linear(32, 96)
-        self.out = torch.nn.Linear(32, 32)
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).chunk(3, -1)
-        return self.out(torch.softmax(q @ k.transpose(-1, -2) / 32**0.5, -1) @ v)
-
-
 def _models() -> dict[str, tuple[torch.nn.Module, tuple]]:
+    from etfold.demo_models.arm_npu_blocks import Attention
+
     torch.manual_seed(0)
     conv = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3), torch.nn.GELU()
     )
     return {
         "small CNN": (conv.eval(), (torch.randn(1, 3, 16, 16),)),
-        "attention": (Attention().eval(), (torch.randn(1, 8, 32),)),
+        "attention": (Attention(32, 2).eval(), (torch.randn(1, 8, 32),)),
     }
 
 
