@@ -27,8 +27,13 @@ def _walk_and_torchs_own():
 
 
 def test_a_walk_collects_the_set_torchs_own_walk_collects():
+    from torch._export import utils
+
+    judge, lookup = utils._is_preservable_cia_op, utils._materialize_cpp_cia_ops
     with one_composite_op_lookup_per_walk():
         ours, torchs = _walk_and_torchs_own()
+        # what the walk swaps in for its own duration is torch's again once it returns
+        assert (utils._is_preservable_cia_op, utils._materialize_cpp_cia_ops) == (judge, lookup)
     assert ours == torchs
     assert torch.ops.aten.linear.default in ours
 
