@@ -28,7 +28,7 @@ from etfold.exir.program.composite_op_overrides import (
     one_override_write_per_composite_op,
     torchs_override,
 )
-from etfold.exir.program.lazy_pass_modules import code_on_first_use_for_pass_modules
+from etfold.exir.program.lazy_graph_modules import code_on_first_use_for_graph_modules
 from etfold.exir.program.preservable_op_checks import (
     fixed_preservability_checked_once,
     torchs_check,
@@ -157,25 +157,41 @@ def test_preservability_is_torchs_for_every_op_and_follows_kernel_registrations(
     assert registered == (True, True) and dropped == (False, False)
 
 
-def test_a_pass_module_writes_torchs_code_when_first_used_and_other_modules_are_torchs():
+def test_a_lowerings_graph_module_writes_torchs_code_when_first_used_and_others_are_torchs():
     from executorch.exir.pass_base import ExportPass
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     torch.manual_seed(0)
     x = torch.randn(1, 3, 6, 6)
-    program = torch.export.export(ConvTanh().eval(), (x,)).run_decompositions()
-    with code_on_first_use_for_pass_modules():
+    with code_on_first_use_for_graph_modules():
+        program = torch.export.export(ConvTanh().eval(), (x,)).run_decompositions()
         built_by_a_pass = ExportPass()(program.graph_module).graph_module
         built_here = torch.fx.GraphModule(program.graph_module, copy.deepcopy(program.graph))
-    assert isinstance(built_by_a_pass, _LazyGraphModule)
-    assert not isinstance(built_here, _LazyGraphModule)
-    assert built_by_a_pass._needs_recompile()  # no code written yet
-    eager = torch.fx.GraphModule(built_by_a_pass, copy.deepcopy(built_by_a_pass.graph))
-    assert built_by_a_pass.code == eager.code
-    assert torch.equal(
-        built_by_a_pass(*program.state_dict.values(), x)[0],
-        eager(*program.state_dict.values(), x)[0],
-    )
+        copied, unlifted = copy.deepcopy(built_here), program.module()
+    lazy = (program.graph_module, built_by_a_pass)
+    assert all(isinstance(m, _LazyGraphModule) and m._needs_recompile() for m in lazy)
+    assert not any(isinstance(m, _LazyGraphModule) for m in (built_here, copied, unlifted))
+    assert program.graph_module.code == built_here.code
+    weights = [program.state_dict[name] for name in program.graph_signature.parameters]
+    for module in (*lazy, built_here):
+        assert torch.equal(module(*weights, x)[0], unlifted(x))
+
+
+def test_a_lazy_graph_modules_pytree_specs_follow_each_recompile_before_any_code():
+    from torch.export.exported_program import _create_graph_module_for_export
+    from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+    from torch.utils import _pytree as pytree
+
+    unlifted = torch.export.export(ConvTanh().eval(), (torch.randn(1, 3, 6, 6),)).module()
+    with code_on_first_use_for_graph_modules():
+        module = _create_graph_module_for_export(unlifted, copy.deepcopy(unlifted.graph))
+    assert module._needs_recompile()
+    assert (module._in_spec, module._out_spec) == (unlifted._in_spec, unlifted._out_spec)
+    info = module.graph._codegen.pytree_info
+    wrapped = pytree.treespec_tuple([info.out_spec])
+    module.graph._codegen = _PyTreeCodeGen(_PyTreeInfo(info.orig_args, info.in_spec, wrapped))
+    module.recompile()
+    assert module._needs_recompile() and module._out_spec == wrapped
 
 
 def test_a_reentrant_patch_installs_once_and_undoes_on_the_last_exit():
@@ -248,7 +264,7 @@ _FRESH_INTERPRETER = textwrap.dedent(
         override = exported_program._override_composite_implicit_decomp
         preservable = export_utils._check_valid_to_preserve
         xnnpack = [ConvertToSDPAPass.call, ConvertToUpsampleBilinear2d.call, sdpa.get_graphs]
-        xnnpack.append(bilinear_2d.get_graphs_dict)
+        xnnpack += [bilinear_2d.get_graphs_dict, XnnpackPartitioner._check_if_called_from_to_backend]
         torchs = [fx_traceback.copy, OperatorBase.py_impl, graph_module_new, override, preservable]
         return [*torchs, *collectors, *xnnpack]
 
