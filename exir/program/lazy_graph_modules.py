@@ -16,8 +16,9 @@ which generates the same code from the same graph on the first call, `.code`
 read or pickle; its `recompile()` still refreshes the pytree specs (`_in_spec`,
 `_out_spec`) that torch and torchao read without running the module, so they
 are never stale. Every other graph module is built as torch builds it: one
-whose `forward` signature is read (dynamo's, a quantizer's, a deep copy, the
-user's) must have its code, since a lazy `forward` takes `*args`. The scope
+whose `forward` signature is read (dynamo's, a quantizer's, the user's) must
+have its code, since a lazy `forward` takes `*args`. A deep copy keeps its
+source's class, as torch's own lazy modules do. The scope
 undoes itself on exit; where torch's internals are not the ones this was written
 against, it changes nothing.
 """
