@@ -32,6 +32,7 @@ from etfold.exir.emit.external_constants import check_external_constant_names
 from etfold.exir.program.buffer_marks import mark_buffer_fold_blockers
 from etfold.exir.program.composite_op_lookup import one_composite_op_lookup_per_walk
 from etfold.exir.program.composite_op_overrides import one_override_write_per_composite_op
+from etfold.exir.program.edge_dtype_check_once import edge_dtype_check_once_per_graph
 from etfold.exir.program.lazy_graph_modules import code_on_first_use_for_graph_modules
 from etfold.exir.program.lowering_scopes import lowering_scopes
 from etfold.exir.program.method_marks import (
@@ -56,7 +57,8 @@ def torch_speedups():
     """Torch's own lowering work, minus repeats: one composite-op lookup per walk, an op's
     schema judged once, one write of each composite op's override kernels, one kernel
     registration closure per op and key, provenance chains shared instead of deep-copied,
-    a graph module's Python code written when first used, not at every build and pass.
+    a graph module's Python code written when first used, not at every build and pass,
+    and the edge verifier's dtype check run once per graph, not per program built over it.
 
     Programs come out byte-identical; torch is as it was once the scope exits.
     """
@@ -67,6 +69,7 @@ def torch_speedups():
         one_py_kernel_closure_per_key(),
         shared_provenance_chains(),
         code_on_first_use_for_graph_modules(),
+        edge_dtype_check_once_per_graph(),
     ):
         yield
 

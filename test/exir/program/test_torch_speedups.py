@@ -221,6 +221,7 @@ _FRESH_INTERPRETER = textwrap.dedent(
     import torch.export.decomp_utils as decomp_utils
     import torch.export.exported_program as exported_program
     from torch._ops import OperatorBase
+    from executorch.exir.verification import verifier as edge_verifier
     from executorch.backends.xnnpack._passes.convert_to_sdpa import ConvertToSDPAPass
     from executorch.backends.xnnpack._passes.convert_to_upsample_bilinear2d import (
         ConvertToUpsampleBilinear2d,
@@ -266,7 +267,8 @@ _FRESH_INTERPRETER = textwrap.dedent(
         xnnpack = [ConvertToSDPAPass.call, ConvertToUpsampleBilinear2d.call, sdpa.get_graphs]
         xnnpack += [bilinear_2d.get_graphs_dict, XnnpackPartitioner._check_if_called_from_to_backend]
         torchs = [fx_traceback.copy, OperatorBase.py_impl, graph_module_new, override, preservable]
-        return [*torchs, *collectors, *xnnpack]
+        edge = [edge_verifier._check_tensor_args_matching_op_allowed_dtype]
+        return [*torchs, *collectors, *xnnpack, *edge]
 
     def tosa_graphs():
         from etfold.harness.tosa_runner import FP, lower_tosa
