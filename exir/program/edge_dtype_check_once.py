@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import operator
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+from executorch.exir.lowered_backend_module import LoweredBackendModule
 from torch.fx import GraphModule, Node
 
 from etfold.exir.program.reentrant_patch import ReentrantPatch
@@ -36,8 +38,17 @@ _DEFINED_IN = "executorch.exir.verification.verifier"
 _CHECK = "_check_tensor_args_matching_op_allowed_dtype"
 _REMEMBERED_GRAPHS = 256
 
-_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout)
-_PLAIN += (torch.memory_format,)
+_PLAIN = (
+    bool,
+    int,
+    float,
+    str,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
 
 
 class _Undescribed(Exception):
@@ -45,13 +56,11 @@ class _Undescribed(Exception):
 
 
 def _describe_tensor(tensor: torch.Tensor) -> tuple:
-    facts = (tensor.shape, tensor.stride(), tensor.storage_offset())
-    if not all(type(size) is int for sizes in facts[:2] for size in sizes):
-        raise _Undescribed
-    if type(facts[2]) is not int:
-        raise _Undescribed
+    layout = (*tensor.shape, *tensor.stride(), tensor.storage_offset())
+    if not all(type(size) is int for size in layout):
+        raise _Undescribed  # symbolic
     kind = (type(tensor), tensor.dtype, tensor.device, tensor.layout, tensor.requires_grad)
-    return ("tensor", *kind, tuple(facts[0]), tuple(facts[1]), facts[2])
+    return ("tensor", *kind, tensor.dim(), layout)
 
 
 def _describe(value) -> tuple:
@@ -70,11 +79,7 @@ def _describe(value) -> tuple:
 
 
 def _describe_attribute(graph_module: GraphModule, target: str) -> tuple:
-    from executorch.exir.lowered_backend_module import LoweredBackendModule
-
-    value = graph_module
-    for name in target.split("."):
-        value = getattr(value, name)
+    value = operator.attrgetter(target)(graph_module)
     if isinstance(value, LoweredBackendModule):
         # only ever an operand of the delegate call, where the check stops
         return ("lowered module",)
