@@ -90,7 +90,7 @@ def test_a_graph_that_passed_is_checked_again_only_when_something_the_check_read
     graph_module, twin = _edge_graph(), _edge_graph()
     check(graph_module)
     check(graph_module)
-    check(twin)  # built separately, described alike
+    check(twin)  # another graph module (a deep copy), described alike
     assert upstream.calls == 1
     node = _computing_node(graph_module)
     node.meta["val"] = node.meta["val"].to(torch.float16)
