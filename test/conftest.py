@@ -75,14 +75,18 @@ class FileScheduling(LoadScopeScheduling):
     Units go out largest source first: a worker is sent its next unit before it
     finishes the current one, so a long unit sent last leaves the other worker
     idle. Source size is the best free guess at a file's time (it tracks test
-    time better than the number of tests, xdist's own order).
+    time better than the number of tests, xdist's own order). A shuffled run
+    (`ETFOLD_TEST_SHUFFLE`) keeps its shuffled order of files.
     """
 
     def __init__(self, config, log=None):
         super().__init__(config, log)
         self.root = config.rootpath
         self.shared = _files_reading_demo_lowerings(self.root)
-        self.ordered = False
+        shuffled = bool(os.environ.get("ETFOLD_TEST_SHUFFLE"))
+        self.queue_ordered = shuffled
+        if shuffled:
+            config.option.loadscopereorder = False  # xdist's own sort by test count
 
     def _split_scope(self, nodeid: str) -> str:
         path = nodeid.split("::", 1)[0]
@@ -94,11 +98,11 @@ class FileScheduling(LoadScopeScheduling):
         return sum(file.stat().st_size for file in files if file.is_file())
 
     def _assign_work_unit(self, node) -> None:
-        if not self.ordered:
+        if not self.queue_ordered:
             units = sorted(self.workqueue.items(), key=lambda u: -self._source_bytes(u[1]))
             self.workqueue.clear()
             self.workqueue.update(units)
-            self.ordered = True
+            self.queue_ordered = True
         super()._assign_work_unit(node)
 
 
