@@ -6,9 +6,8 @@
 
 """The conditions `test/conftest.py` sets up for every test, checked from inside one."""
 
-import logging
-
 import torch
+from torch._logging._internal import trace_log
 
 
 class _Relu(torch.nn.Module):
@@ -21,4 +20,4 @@ def test_torchs_trace_logger_keeps_no_handler_of_its_own_as_outside_pytest():
     while its trace logger has a handler; outside pytest it has none after the first
     event, and pytest's log capture must not give it one."""
     torch.export.export(_Relu(), (torch.randn(3),)).run_decompositions()
-    assert logging.getLogger("torch.__trace").handlers == []
+    assert trace_log.handlers == []
