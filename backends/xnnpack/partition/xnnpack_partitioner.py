@@ -74,6 +74,9 @@ from etfold.backends.xnnpack.partition.weight_fold_seeds import seed_slots
 from etfold.backends.xnnpack.partitioner_caller_check import called_through_deprecated_to_backend
 from etfold.decisions import record_declined
 from etfold.exir.passes.inline_autocast_regions_pass import inline_autocast_regions
+from etfold.exir.passes.own_constants_before_batch_norm_fusion_pass import (
+    own_constants_before_batch_norm_fusion,
+)
 from etfold.exir.program.lower import mark_for_lowering
 from etfold.exir.program.method_marks import methods_judged
 from etfold.exir.program.upstream_lowering import upstream_lowering_in_progress
@@ -111,6 +114,7 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
         exported_program = super().transform_for_pre_decomposition(exported_program)
         exported_program = self._judged_across_methods(exported_program)
+        exported_program = own_constants_before_batch_norm_fusion(exported_program)
         if self.fold_weights or self.delegate_dtype_converts:
             exported_program = inline_autocast_regions(exported_program)
         if self.delegate_dtype_converts:
