@@ -161,6 +161,7 @@ class _Installed:
     original_backend_pipeline: Callable
     original_annotation_pipeline: Callable
     original_ethos_u_preprocess: Any  # the staticmethod object in EthosUBackend.__dict__
+    original_pt2e_fusions: dict[str, Callable]  # torchao's, see pt2e_fusion_guard
     registry_entries: list[tuple[type, Position, Any]]  # (anchor type, position, instance)
     created_registry_keys: list[type]
     insertions: tuple[ArmPassInsertion, ...]
@@ -249,9 +250,12 @@ def _marked_copy(exported_program):
     writes annotations into the dict of the node it is tracing (torch's
     `fx_traceback.annotate`), and a copied node shares its original's."""
     from etfold.backends.arm._passes.carried_state import mark_write_backs
+    from etfold.exir.passes.own_constants_before_batch_norm_fusion_pass import (
+        own_constants_before_batch_norm_fusion,
+    )
     from etfold.exir.program.working_copy import copy_for_rewrite
 
-    working = copy_for_rewrite(exported_program)
+    working = own_constants_before_batch_norm_fusion(copy_for_rewrite(exported_program))
     for node in working.graph.nodes:
         if "custom" in node.meta:
             node.meta["custom"] = dict(node.meta["custom"])
@@ -373,6 +377,9 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
     manager_cls.transform_to_backend_pipeline = _make_target_aware(original_backend_pipeline)
     manager_cls.transform_for_annotation_pipeline = _make_target_aware(original_annotation_pipeline)
     ethos_u_backend.preprocess = _make_ethos_u_preprocess(original_ethos_u_preprocess)
+    from etfold.backends.arm.pt2e_fusion_guard import guard_pt2e_fusions, restore_pt2e_fusions
+
+    original_pt2e_fusions = guard_pt2e_fusions()
     try:
         _check_annotation_anchors(insertions)
         backend = [e for e in insertions if e.pipeline == "backend"]
@@ -383,6 +390,7 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
         manager_cls.transform_to_backend_pipeline = original_backend_pipeline
         manager_cls.transform_for_annotation_pipeline = original_annotation_pipeline
         ethos_u_backend.preprocess = original_ethos_u_preprocess
+        restore_pt2e_fusions(original_pt2e_fusions)
         raise
 
     entries = [
@@ -396,6 +404,7 @@ def _install(insertions: tuple[ArmPassInsertion, ...]) -> None:
         original_backend_pipeline,
         original_annotation_pipeline,
         original_ethos_u_preprocess,
+        original_pt2e_fusions,
         entries,
         created,
         insertions,
@@ -448,6 +457,9 @@ def _uninstall() -> None:
         _installed.original_annotation_pipeline
     )
     _ethos_u_backend().preprocess = _installed.original_ethos_u_preprocess
+    from etfold.backends.arm.pt2e_fusion_guard import restore_pt2e_fusions
+
+    restore_pt2e_fusions(_installed.original_pt2e_fusions)
     remove_pass_insertions(_installed.registry_entries, _installed.created_registry_keys)
     _installed = None
 
