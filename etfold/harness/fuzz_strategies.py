@@ -193,6 +193,7 @@ def dyt_cases(draw) -> DyTCase:
         gamma=draw(st.sampled_from(["identity", "random"])),
         beta=draw(st.sampled_from(["zero", "random"])),
         alpha=alpha,
+        bias=draw(st.booleans()),  # drawn last, so every earlier field keeps its recorded draw
     )
 
 

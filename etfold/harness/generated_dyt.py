@@ -30,6 +30,7 @@ class DyTCase:
     gamma: str  # "identity" (ones) or "random"
     beta: str  # "zero" or "random"
     alpha: float
+    bias: bool = True  # whether the conv has a bias (DyT often comes before one without)
 
     family = "dyt"
 
@@ -60,6 +61,7 @@ class DyTThenConv(nn.Module):
             kind["kernel_size"],
             padding=kind.get("padding", 0),
             groups=conv_in if depthwise else 1,
+            bias=case.bias,
         )
 
     @property

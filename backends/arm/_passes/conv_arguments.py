@@ -138,11 +138,22 @@ def conv_arguments(node: object) -> ConvArguments | Declined:
 
 
 def set_conv_argument(node: Node, name: str, value: object) -> None:
-    """Pass `value` as the conv's (or linear's) argument `name`, where the call passes it:
-    positionally when it already reaches that position, else as a keyword."""
-    names = [a.name for a in underlying_op(node.target)._schema.arguments]
-    index = names.index(name)
-    if len(node.args) > index:
-        node.args = (*node.args[:index], value, *node.args[index + 1 :])
-    else:
-        node.kwargs = {**node.kwargs, name: value}
+    """Pass `value` as the conv's (or linear's) argument `name` by position, in the form
+    torch's export gives a call: arguments before it that the call left out are filled
+    with their schema defaults, ones it passed by keyword move to their positions. The
+    PT2E quantizer cannot annotate a tensor passed by keyword (it asserts)."""
+    schema_arguments = underlying_op(node.target)._schema.arguments
+    index = [a.name for a in schema_arguments].index(name)
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for argument in schema_arguments[len(args) : index]:
+        if argument.name in kwargs:
+            args.append(kwargs.pop(argument.name))
+        elif argument.has_default_value():
+            args.append(argument.default_value)
+        else:
+            raise ValueError(f"{node.target}: required argument {argument.name!r} is missing")
+    if schema_arguments[index].kwarg_only:
+        raise ValueError(f"{node.target}: argument {name!r} is keyword-only")
+    args[index : index + 1] = [value]
+    kwargs.pop(name, None)
+    node.args, node.kwargs = tuple(args), kwargs

@@ -106,14 +106,41 @@ def test_declines_what_is_not_a_layer_or_has_no_constant_groups():
     assert conv_arguments(symbolic) == Declined(GROUPS_NOT_CONSTANT)
 
 
-def test_set_conv_argument_keeps_where_the_call_passes_it():
+def test_set_conv_argument_passes_by_position():
     graph = torch.fx.Graph()
     x, w, b, new = (graph.placeholder(name) for name in ("x", "w", "b", "new"))
     positional = graph.call_function(torch.ops.aten.conv2d.default, (x, w, b))
     short = graph.call_function(torch.ops.aten.linear.default, (x, w))
+    keywords = graph.call_function(torch.ops.aten.conv2d.default, (x,), {"weight": w, "groups": 2})
     set_conv_argument(positional, "bias", new)
     set_conv_argument(short, "bias", new)
     set_conv_argument(short, "weight", b)
+    set_conv_argument(keywords, "bias", new)
     assert positional.args == (x, w, new) and positional.kwargs == {}
-    assert short.args == (x, b) and short.kwargs == {"bias": new}
-    assert conv_arguments(short).bias is new
+    assert short.args == (x, b, new) and short.kwargs == {}
+    assert keywords.args == (x, w, new) and keywords.kwargs == {"groups": 2}
+    assert conv_arguments(short).bias is new and conv_arguments(keywords).groups == 2
+
+
+_WITHOUT_AND_WITH_BIAS = {
+    "conv1d": (lambda bias: torch.nn.Conv1d(4, 6, 3, bias=bias), (1, 4, 9)),
+    "conv2d": (lambda bias: torch.nn.Conv2d(4, 6, 3, bias=bias), (1, 4, 5, 5)),
+    "depthwise": (lambda bias: torch.nn.Conv2d(4, 4, 3, groups=4, bias=bias), (1, 4, 5, 5)),
+    "grouped": (lambda bias: torch.nn.Conv2d(4, 6, 3, groups=2, bias=bias), (1, 4, 5, 5)),
+    "transposed": (
+        lambda bias: torch.nn.ConvTranspose2d(4, 6, 2, stride=2, bias=bias),
+        (1, 4, 3, 3),
+    ),
+    "linear": (lambda bias: torch.nn.Linear(4, 6, bias=bias), (2, 4)),
+}
+
+
+@pytest.mark.parametrize("kind", list(_WITHOUT_AND_WITH_BIAS))
+def test_a_bias_given_takes_the_form_torch_exports_with_a_bias(kind):
+    make, shape = _WITHOUT_AND_WITH_BIAS[kind]
+    without = _layer_node(make(False), torch.randn(*shape))
+    with_bias = _layer_node(make(True), torch.randn(*shape))
+    set_conv_argument(without, "bias", without.args[1])
+    assert len(without.args) == len(with_bias.args) and without.kwargs == with_bias.kwargs == {}
+    assert without.args[2] is without.args[1]
+    assert without.args[3:] == with_bias.args[3:]
