@@ -250,12 +250,16 @@ def _marked_copy(exported_program):
     writes annotations into the dict of the node it is tracing (torch's
     `fx_traceback.annotate`), and a copied node shares its original's."""
     from etfold.backends.arm._passes.carried_state import mark_write_backs
+    from etfold.backends.arm._passes.fold_batch_norm_into_linear_pass import (
+        fold_batch_norms_into_linears,
+    )
     from etfold.exir.passes.own_constants_before_batch_norm_fusion_pass import (
         own_constants_before_batch_norm_fusion,
     )
     from etfold.exir.program.working_copy import copy_for_rewrite
 
-    working = own_constants_before_batch_norm_fusion(copy_for_rewrite(exported_program))
+    working = copy_for_rewrite(exported_program)
+    working = fold_batch_norms_into_linears(own_constants_before_batch_norm_fusion(working))
     for node in working.graph.nodes:
         if "custom" in node.meta:
             node.meta["custom"] = dict(node.meta["custom"])
