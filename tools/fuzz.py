@@ -6,7 +6,7 @@
 
 """The long differential fuzzing profile: `make fuzz` (or `python tools/fuzz.py`).
 
-Draws cases for the four fold families from the strategies in
+Draws cases for the fold families from the strategies in
 `etfold.harness.fuzz_strategies`, runs each through `etfold.harness.differential`
 (stock ExecuTorch vs etfold on the real runtimes) and prints one summary line
 per family: cases, wrong, crashes (etfold only / both), mutations, timeouts.
@@ -35,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILY_NAMES = ("weight_fold", "converts", "scalar_mul", "dyt")
+FAMILY_NAMES = ("weight_fold", "converts", "scalar_mul", "dyt", "upstream_folds")
 
 
 class CaseTimeout(BaseException):  # not an Exception: the harness must not classify it as a crash
@@ -183,7 +183,7 @@ def run_one(family: str, seed: int, index: int, timeout: int) -> dict:
             "detail": outcome.detail,
             "known_pending": known_pending(case, outcome),
             "known_upstream": known_upstream(outcome.detail)
-            if outcome.verdict == "crash_both"
+            if outcome.verdict in ("crash_both", "crash_stock")
             else None,
             "etfold_error": outcome.etfold_error,
             "baseline_error": outcome.baseline_error,
@@ -263,6 +263,7 @@ def summary_line(family: str, records: list[dict], seed: int) -> str:
         f" mutations {verdicts['mutation']}, timeouts {verdicts['timeout']};"
         f" more delegates {verdicts['more_delegates'] - _pending(records, 'more_delegates')},"
         f" upstream wrong {verdicts['upstream_wrong']} (stock alone {verdicts['stock_wrong']}),"
+        f" stock alone crashed {verdicts['crash_stock']},"
         f" harness errors {verdicts['harness_error']},"
         f" process crashes {verdicts['process_crash']},"
         f" known pending total {pending}"

@@ -18,6 +18,7 @@ The modules: `differential_xnnpack` and `differential_arm` (the two runners),
   of the same quantized program where its folds claim exactness
 - crash_etfold: etfold raised where the baseline lowered and ran
 - crash_both: the baseline raised too (an upstream failure, see KNOWN_UPSTREAM)
+- crash_stock: only the baseline raised (upstream_folds; must be in KNOWN_UPSTREAM)
 - upstream_wrong: the baseline is as wrong as etfold (an upstream bug)
 - stock_wrong: the baseline's program is wrong and etfold's is right; delegate
   counts are not compared against a wrong program
@@ -42,14 +43,18 @@ Oracles:
 from __future__ import annotations
 
 from etfold.harness.differential_arm import run_arm_case
+from etfold.harness.differential_upstream_folds import run_upstream_folds_case
 from etfold.harness.differential_xnnpack import run_xnnpack_case
 from etfold.harness.generated_converts import ConvertsCase
+from etfold.harness.generated_upstream_folds import UpstreamFoldsCase
 from etfold.harness.generated_weight_fold import WeightFoldCase
 from etfold.harness.verdicts import Outcome
 
 
 def run_case(case) -> Outcome:
     """The case through the runner of its backend."""
+    if isinstance(case, UpstreamFoldsCase):
+        return run_upstream_folds_case(case)
     if isinstance(case, WeightFoldCase | ConvertsCase):
         return run_xnnpack_case(case)
     return run_arm_case(case)

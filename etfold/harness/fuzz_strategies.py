@@ -29,6 +29,14 @@ from etfold.harness.generated_scalar_mul import (
     SCALE_VALUES,
     ScalarMulCase,
 )
+from etfold.harness.generated_upstream_folds import (
+    BACKENDS,
+    CHAIN_OPS,
+    EXTRA_READERS,
+    LAYER_KINDS,
+    SHARE_MODES,
+    UpstreamFoldsCase,
+)
 from etfold.harness.generated_weight_fold import WEIGHT_EXPRESSIONS, GemmLayer, WeightFoldCase
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
@@ -197,9 +205,44 @@ def dyt_cases(draw) -> DyTCase:
     )
 
 
+# ---------------------------------------------------------------- upstream's folds
+
+_SHARES_NEEDING = {"bias": "bias", "weight_and_bias": "bias", "equal_bias": "bias"}
+_SHARES_NEEDING.update(bn="bn", equal_bn="bn", scale="scale_channel", equal_scale="scale_channel")
+
+
+@st.composite
+def upstream_folds_cases(draw) -> UpstreamFoldsCase:
+    share = draw(st.sampled_from(sorted(SHARE_MODES)))
+    chain = draw(st.lists(st.sampled_from(CHAIN_OPS), min_size=0, max_size=2))
+    if draw(st.sampled_from([True, True, True, False])):
+        chain = ["bn", *chain]  # a batch norm right after the layer: what the fusions match
+    needed = _SHARES_NEEDING.get(share)
+    if needed not in (None, "bias") and needed not in chain:
+        chain.append(needed)
+    layer = draw(st.sampled_from(sorted(LAYER_KINDS)))
+    return UpstreamFoldsCase(
+        seed=draw(seeds),
+        layer=layer,
+        in_channels=draw(st.integers(1, 6)),
+        out_channels=draw(st.integers(1, 6)),
+        size=draw(st.integers(3, 6)),
+        batch=draw(st.integers(1, 3)),
+        bias=needed == "bias" or draw(st.booleans()),
+        chain=tuple(chain),
+        share=share,
+        extra_reader=draw(st.sampled_from(["none", "none", *EXTRA_READERS[1:]])),
+        mirrored=draw(st.booleans()),
+        combine=draw(st.sampled_from(["tuple", "sum"])),
+        backend=draw(st.sampled_from(BACKENDS)),
+        stride=1 if layer == "linear" else draw(st.sampled_from([1, 1, 2])),
+    )
+
+
 FAMILIES = {
     "weight_fold": weight_fold_cases(),
     "converts": converts_cases(),
     "scalar_mul": scalar_mul_cases(),
     "dyt": dyt_cases(),
+    "upstream_folds": upstream_folds_cases(),
 }

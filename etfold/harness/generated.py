@@ -21,6 +21,8 @@ Families, one module each:
   XNNPACK dtype-convert delegation.
 - `ScalarMulCase`: conv * scale variants, for the Arm scalar-mul fold.
 - `DyTCase`: DyT then a conv, for the Arm DyT folds.
+- `UpstreamFoldsCase`: conv/linear + batch norm / activation / scale chains with shared
+  constants, for upstream's fusions around etfold's folds (both backends).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from etfold.harness.generated_cases import Built
 from etfold.harness.generated_converts import ConvertsCase, build_converts
 from etfold.harness.generated_dyt import DyTCase, build_dyt
 from etfold.harness.generated_scalar_mul import ScalarMulCase, build_scalar_mul
+from etfold.harness.generated_upstream_folds import UpstreamFoldsCase, build_upstream_folds
 from etfold.harness.generated_weight_fold import WeightFoldCase, build_weight_fold
 
 BUILDERS = {
@@ -38,6 +41,7 @@ BUILDERS = {
     ConvertsCase: build_converts,
     ScalarMulCase: build_scalar_mul,
     DyTCase: build_dyt,
+    UpstreamFoldsCase: build_upstream_folds,
 }
 
 

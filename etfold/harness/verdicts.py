@@ -26,6 +26,7 @@ VERDICTS = (
     "wrong",
     "crash_etfold",
     "crash_both",
+    "crash_stock",
     "upstream_wrong",
     "stock_wrong",
     "mutation",
@@ -114,6 +115,7 @@ class Outcome:
     decisions: list[str] = field(default_factory=list)
     journal: list = field(default_factory=list, repr=False)  # the FoldDecisions themselves
     etfold_failure: str | None = None  # etfold's own error, when it raised
+    baseline_failure: str | None = None  # the baseline's error, when it raised
     lowered: object = field(default=None, repr=False)  # etfold's lowered program
     quantized: ExportedProgram | None = field(default=None, repr=False)  # Arm: what it lowered
 
@@ -154,6 +156,8 @@ def judge_floats(
 ) -> Outcome:
     """Crashes first, then delegates, then numbers against eager and the baseline."""
     outcome.tolerance = tolerance
+    if baseline.error is not None:
+        outcome.baseline_failure = first_line(baseline.error)
     if ours.error is not None:
         outcome.etfold_failure = first_line(ours.error)
         if baseline.error is not None:
@@ -204,10 +208,11 @@ def failure_message(case, outcome: Outcome) -> str | None:
     """
     if outcome.verdict in ("ok", "upstream_wrong", "stock_wrong"):
         return None
-    if outcome.verdict == "crash_both":
+    if outcome.verdict in ("crash_both", "crash_stock"):
         if known_upstream(outcome.detail):
             return None
-        return f"stock and etfold both fail, not in KNOWN_UPSTREAM: {outcome.detail}\n{case!r}"
+        who = "stock and etfold both fail" if outcome.verdict == "crash_both" else "stock fails"
+        return f"{who}, not in KNOWN_UPSTREAM: {outcome.detail}\n{case!r}"
     if known_pending(case, outcome):
         return None
     return f"{outcome.verdict}: {outcome.detail}\n{case!r}"
