@@ -364,3 +364,46 @@ def tensor_digest(tensor: torch.Tensor, length: int | None = None) -> str:
     digest = hashlib.sha256(f"{data.dtype}:{tuple(data.shape)}:".encode())
     digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:length]
+
+
+def symbolic_axes(value: object) -> tuple[int, ...]:
+    """The axes of a (fake) tensor whose size is symbolic (a `torch.export.Dim` or an
+    expression of one): the one answer to "is this dim dynamic". () for anything else."""
+    if not isinstance(value, torch.Tensor):
+        return ()
+    return tuple(i for i, size in enumerate(value.shape) if type(size) is not int)
+
+
+def sizes_known_equal(a: object, b: object) -> bool:
+    """Two sizes (ints or SymInts) are equal for every value the export's bounds allow."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(a == b))
+
+
+def size_bounds(size: object) -> tuple[int, int | float]:
+    """The (min, max) a size takes within the export's bounds (an int: itself twice)."""
+    if type(size) is int:
+        return size, size
+    node = size.node
+    bound = node.shape_env.bound_sympy(node.expr)
+    upper = bound.upper
+    return int(bound.lower), int(upper) if upper.is_finite else float("inf")
+
+
+def describe_axes(value: torch.Tensor, axes) -> str:
+    """`dim 1 (s0 in 4..64)`-style names of `axes`, for a decline's reason."""
+    parts = []
+    for axis in axes:
+        size = value.shape[axis]
+        low, high = size_bounds(size)
+        parts.append(f"dim {axis} ({size} in {low}..{high})")
+    return ", ".join(parts)
+
+
+def known_contiguous(value: torch.Tensor) -> bool:
+    """The (fake) tensor is contiguous for every size the export's bounds allow; a
+    symbolic layout that cannot be decided counts as not contiguous."""
+    from torch._prims_common import is_contiguous_or_false
+
+    return bool(is_contiguous_or_false(value))

@@ -6,7 +6,7 @@
 
 """Write an expand, which XNNPACK refuses, as the ops it delegates (or as nothing).
 
-Given:   e = expand(x, S)                x: [s0, ..., s(k-1)], S: [S0, ..., S(r-1)], static
+Given:   e = expand(x, S)                x: [s0, ..., s(k-1)], S: [S0, ..., S(r-1)]
          l = view(x, [1] * (r - k) + [s0, ..., s(k-1)])    (x itself when r == k)
 Result, by what reads e:
   (a) every reader broadcasts:  op(e, y) -> op(l, y)       op: add, sub, mul, div, maximum,
@@ -34,7 +34,16 @@ broadcast to `[B, H, T, T]`, and the batch expands `matmul`'s decomposition writ
 XNNPACK's concatenate takes 2 to 5 inputs, and upstream's CatConfig counts distinct
 input nodes: each cat here takes at most 5, the first one a view of l beside l.
 
-Declines (the expand stays): dynamic or empty shapes, a quantized input, a rank
+Symbolic sizes. A dynamic dim (`torch.export.Dim`) the expand keeps is fine: the
+binary ops, `cat` and a view with one inferred size all resize at runtime, so
+GQA's repeat_kv and a `[1, 1, T, T]` mask on a dynamic T are rewritten. Equal
+sizes are equal for every value within the export's bounds (the shape
+environment decides, never a guess). What stays: copies along a dim whose count
+is symbolic (concatenate's inputs are fixed when lowering), and a view of an
+input with two symbolic sizes (XNNPACK's reshape infers one); each decline names
+the dim and its bounds.
+
+Declines (the expand stays): those, an empty result, a quantized input, a rank
 beyond XNNPACK's, for (b) a dtype XNNPACK does not concatenate here, and for (c) an
 expand the program returns (it would return its input as a second output).
 
@@ -60,8 +69,14 @@ from etfold.backends.xnnpack._passes.delegated_floats import (
     rank_held,
 )
 from etfold.decisions import Declined, first_declined, record_applied
+from etfold.exir.passes.graph_walk import (
+    describe_axes,
+    size_bounds,
+    sizes_known_equal,
+    symbolic_axes,
+)
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import rank_of, static_shape
+from etfold.exir.passes.node_shapes import rank_of
 
 FOLD = "xnnpack.expand_as_delegated_ops"
 
@@ -83,37 +98,77 @@ MAX_CAT_INPUTS = 5  # XNNPACK's concatenate nodes take 2 to 5 inputs
 @dataclass(frozen=True)
 class ExpandAsDelegatedOps:
     node: torch.fx.Node
-    lifted: tuple[int, ...] | None  # the view of x to e's rank, when the expand adds axes
+    lifted: tuple | None  # x's sizes at e's rank (ints or symbolic), when the expand adds axes
     repeats: tuple[tuple[int, int], ...]  # (axis, copies) concatenated; () when dropped
 
 
-def _static_shapes(node: torch.fx.Node) -> tuple[tuple[int, ...], tuple[int, ...]] | Declined:
-    source, out = static_shape(node.args[0]), static_shape(node)
-    if source is None or out is None:
-        return Declined("dynamic shape: the copies are not known when lowering")
-    if 0 in out:
+def _shapes(node: torch.fx.Node) -> tuple[tuple, tuple] | Declined:
+    """The input's and the result's sizes (ints or symbolic), when no result is empty."""
+    source, out = node.args[0].meta["val"].shape, node.meta["val"].shape
+    if any(type(size) is int and size == 0 for size in out):
         return Declined(f"empty result {list(out)}: XNNPACK takes no empty tensors")
-    return source, out
+    return tuple(source), tuple(out)
 
 
-def _operand_shape(value: object, node: torch.fx.Node, lifted: tuple[int, ...]):
+def copies_known(lifted: tuple, out: tuple) -> Declined | None:
+    """Every axis is either kept (its size provably the input's) or copied a static
+    number of times from a size-1 input axis: concatenate's inputs are fixed when lowering."""
+    for axis, (m, n) in enumerate(zip(lifted, out, strict=True)):
+        if sizes_known_equal(m, n):
+            continue
+        if type(n) is not int or type(m) is not int or m != 1:
+            symbolic = n if type(n) is not int else m
+            low, high = size_bounds(symbolic)
+            return Declined(
+                f"dynamic shape: dim {axis} goes from {m} to {n} ({symbolic} in {low}..{high}): "
+                "the copies are not known when lowering"
+            )
+    return None
+
+
+def views_infer_the_rest(value: torch.Tensor, what: str) -> Declined | None:
+    """A view of `value` can be written: at most one symbolic size, inferred at runtime."""
+    symbolic = symbolic_axes(value)
+    if len(symbolic) > 1:
+        return Declined(
+            f"{what} has symbolic sizes at {describe_axes(value, symbolic)}: XNNPACK's "
+            "static reshape infers at most one"
+        )
+    return None
+
+
+def view_sizes(sizes: tuple) -> list[int]:
+    """A view's size argument: the one symbolic size becomes the inferred -1."""
+    return [size if type(size) is int else -1 for size in sizes]
+
+
+def _operand_shape(value: object, node: torch.fx.Node, lifted: tuple) -> tuple:
     if value is node:
         return lifted
-    return static_shape(value) if isinstance(value, torch.fx.Node) else ()
+    return tuple(value.meta["val"].shape) if isinstance(value, torch.fx.Node) else ()
+
+
+def _same_sizes(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(map(sizes_known_equal, a, b))
 
 
 def broadcasts_alike(
-    node: torch.fx.Node, lifted: tuple[int, ...], broadcasting: Collection
+    node: torch.fx.Node, lifted: tuple, broadcasting: Collection
 ) -> Declined | None:
     """None when every reader is a broadcasting op whose result keeps its shape with
-    the expand's input (viewed to its rank) in its place; else why it is kept."""
+    the expand's input (viewed to its rank) in its place, for every size within the
+    export's bounds; else why it is kept."""
     for user in node.users:
         if user.target not in broadcasting or node in user.kwargs.values():
             return Declined(f"read by {user.name}, which does not broadcast it")
+        if not isinstance(user.meta.get("val"), torch.Tensor):
+            return Declined(f"no tensor metadata on {user.name}")
         shapes = [_operand_shape(a, node, lifted) for a in user.args[:2]]
-        if any(shape is None for shape in shapes) or static_shape(user) is None:
-            return Declined(f"dynamic shape at {user.name}")
-        if tuple(torch.broadcast_shapes(*shapes)) != static_shape(user):
+        try:
+            broadcast = tuple(torch.broadcast_shapes(*shapes))
+        except (RuntimeError, ValueError):  # a symbolic size it cannot decide on
+            return Declined(f"the broadcast at {user.name} is not known when lowering")
+        if not _same_sizes(broadcast, tuple(user.meta["val"].shape)):
             return Declined(f"the expand sets {user.name}'s shape on its own")
     return None
 
@@ -133,26 +188,34 @@ def match_expand(
     source = node.args[0]
     if rank_of(source) is None:
         return Declined("no tensor metadata on the expand's input")
-    shapes = _static_shapes(node)
+    shapes = _shapes(node)
     if isinstance(shapes, Declined):
         return shapes
     shape, out = shapes
+    lifted = (1,) * (len(out) - len(shape)) + shape
     declined = first_declined(
         lambda: rank_held(len(out), "result"),
         lambda: not_quantized(source, "the copies would each need quantization"),
+        lambda: copies_known(lifted, out),
     )
     if declined is not None:
         return declined
-    lifted = (1,) * (len(out) - len(shape)) + shape
-    view = lifted if lifted != shape else None
+    view = lifted if len(lifted) != len(shape) else None
     repeats = tuple(
-        (axis, n) for axis, (m, n) in enumerate(zip(lifted, out, strict=True)) if m != n
+        (axis, n)
+        for axis, (m, n) in enumerate(zip(lifted, out, strict=True))
+        if not sizes_known_equal(m, n)
     )
     if not repeats and view is None and (declined := not_returned(node)) is not None:
         return declined
+    if view is not None and (declined := views_infer_the_rest(source.meta["val"], "the input")):
+        return declined
     if not repeats or broadcasts_alike(node, lifted, broadcasting) is None:
         return ExpandAsDelegatedOps(node, view, ())
-    declined = dtype_taken(source.meta["val"], dtypes, "copy along an axis")
+    declined = first_declined(
+        lambda: dtype_taken(source.meta["val"], dtypes, "copy along an axis"),
+        lambda: views_infer_the_rest(source.meta["val"], "the copied input"),
+    )
     return declined if declined is not None else ExpandAsDelegatedOps(node, view, repeats)
 
 
@@ -173,7 +236,7 @@ def _insert(anchor: torch.fx.Node, target, *args) -> torch.fx.Node:
 def _cat_copies(anchor: torch.fx.Node, value: torch.fx.Node, axis: int, copies: int):
     """`copies` copies of `value` along `axis`; each cat takes 2 to 5 distinct-enough
     inputs (a view of `value` beside it in the first, the previous cat in later ones)."""
-    alias = _insert(anchor, aten.view.default, value, list(value.meta["val"].shape))
+    alias = _insert(anchor, aten.view.default, value, view_sizes(value.meta["val"].shape))
     pieces = [value, alias, *[value] * (copies - 2)]
     while len(pieces) > MAX_CAT_INPUTS:
         head = _insert(anchor, aten.cat.default, pieces[:MAX_CAT_INPUTS], axis)
@@ -184,7 +247,8 @@ def _cat_copies(anchor: torch.fx.Node, value: torch.fx.Node, axis: int, copies: 
 def _detail(match: ExpandAsDelegatedOps) -> str:
     if match.repeats:
         return ", ".join(f"{n} copies along axis {axis}" for axis, n in match.repeats)
-    if (match.lifted or static_shape(match.node.args[0])) != static_shape(match.node):
+    source = match.lifted or tuple(match.node.args[0].meta["val"].shape)
+    if not _same_sizes(source, tuple(match.node.meta["val"].shape)):
         readers = ", ".join(user.name for user in match.node.users)
         return f"dropped: {readers} broadcast its input"
     return "a no-op: its input is read instead" if match.lifted is None else "a view adding axes"
@@ -195,7 +259,7 @@ def rewrite_expand(match: ExpandAsDelegatedOps) -> None:
     node = match.node
     detail, value = _detail(match), node.args[0]
     if match.lifted is not None:
-        value = _insert(node, aten.view.default, value, list(match.lifted))
+        value = _insert(node, aten.view.default, value, view_sizes(match.lifted))
     for axis, copies in match.repeats:
         value = _cat_copies(node, value, axis, copies)
     node.replace_all_uses_with(value)

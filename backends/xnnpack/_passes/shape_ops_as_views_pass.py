@@ -4,16 +4,22 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""Write squeezes and unsqueezes that XNNPACK would refuse as views, which it takes.
+"""Write squeezes, unsqueezes and symbolic views that XNNPACK would refuse as views it takes.
 
     unsqueeze(x, d)   -> view(x, shape(x)[:d] + [1] + shape(x)[d:])
     squeeze(x, dims)  -> view(x, [shape(x)[i] for i not in dims or shape(x)[i] != 1])
+    view(x, [.., s, ..]) -> view(x, [.., -1, ..])       s: a symbolic size (a dynamic dim)
 
-Both sides are the same function of any tensor (inserting or dropping a size-1
+Each side is the same function of any tensor (inserting or dropping a size-1
 dim is a view of every strided layout), and the new shape is the op's own output
-shape, read from its metadata; a symbolic size becomes view's one inferred `-1`.
+shape, read from its metadata; its one symbolic size becomes view's inferred
+`-1`, which is that size: numel(x) divided by the product of the static sizes.
 Upstream delegates an unsqueeze only on the trailing dim (its visitor's limit)
-and no squeeze at all; it delegates any static `view_copy`.
+and no squeeze at all; it delegates a `view_copy` only when every size argument
+is an int, so a dynamic export's reshapes (`x.view(b, t, heads, d)` with `t`
+dynamic) all stay outside. XNNPACK's static reshape infers one size at runtime
+(its 0, which the visitor writes for `-1`): an output with two symbolic sizes
+is declined, naming them.
 
 Layout: inside a delegate, XNNPACK's ChannelsLastTaggedReshapePass gives every
 `view_copy` NCHW inputs (transposing an NHWC producer back first) and tags its
@@ -43,7 +49,12 @@ from etfold.backends.xnnpack._passes.delegated_floats import (
     dtype_taken,
 )
 from etfold.decisions import Declined
-from etfold.exir.passes.graph_walk import op_qualified_name, written_arguments
+from etfold.exir.passes.graph_walk import (
+    describe_axes,
+    op_qualified_name,
+    symbolic_axes,
+    written_arguments,
+)
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 
 FOLD = "xnnpack.shape_op_as_view"
@@ -52,6 +63,8 @@ SHAPE_OP_MARK = "etfold_shape_op_as_view"
 aten = torch.ops.aten
 _SQUEEZES = frozenset({aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default})
 _SHAPE_OPS = _SQUEEZES | {aten.unsqueeze.default}
+# views whose size argument may hold symbolic sizes (`_unsafe_view`: matmul's decomposition)
+_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
 # ATen ops that reach a delegated edge op under another name after decomposition
 _DECOMPOSES_TO_DELEGATED = frozenset(
     {
@@ -115,10 +128,11 @@ def beside_delegated_op(node: torch.fx.Node, delegated: frozenset[str]) -> bool:
 
 
 def view_shape(value: torch.Tensor) -> tuple[int, ...] | Declined:
-    symbolic = [i for i, size in enumerate(value.shape) if not isinstance(size, int)]
+    symbolic = symbolic_axes(value)
     if len(symbolic) > 1:
         return Declined(
-            f"sizes {symbolic} are symbolic: XNNPACK's static reshape infers at most one"
+            f"sizes {list(symbolic)} are symbolic ({describe_axes(value, symbolic)}): "
+            "XNNPACK's static reshape infers at most one"
         )
     return tuple(-1 if i in symbolic else size for i, size in enumerate(value.shape))
 
@@ -128,11 +142,22 @@ def _written_in_place(node: torch.fx.Node) -> bool:
     return any(node in written_arguments(user) for user in node.users)
 
 
+def has_symbolic_size_argument(node: torch.fx.Node) -> bool:
+    """A view whose size argument holds something other than ints (a symbolic size)."""
+    return node.target in _VIEWS and not all(type(size) is int for size in node.args[1])
+
+
+def _ours_to_judge(node: torch.fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    return node.target in _SHAPE_OPS or has_symbolic_size_argument(node)
+
+
 def match_shape_op(
     node: torch.fx.Node, delegated: frozenset[str], dtypes: Collection[torch.dtype]
 ) -> ShapeOpAsView | Declined | None:
     """The view `node` becomes, a reason it stays, or None when it is not ours to judge."""
-    if node.op != "call_function" or node.target not in _SHAPE_OPS:
+    if not _ours_to_judge(node):
         return None
     source, value = node.args[0], node.meta.get("val")
     if not isinstance(value, torch.Tensor) or not isinstance(source.meta.get("val"), torch.Tensor):
@@ -148,18 +173,44 @@ def match_shape_op(
         )
     if _written_in_place(node):
         return Declined("a user writes into it in place")
-    if not beside_delegated_op(node, delegated):
+    if node.target in _SHAPE_OPS and not beside_delegated_op(node, delegated):
         return Declined("no op beside it goes to XNNPACK: a delegate holding only a reshape")
     shape = view_shape(value)
     return shape if isinstance(shape, Declined) else ShapeOpAsView(node, shape)
 
 
+def _argument_text(argument: object) -> object:
+    """A size argument as it reads: a symbolic size by its node's value, not its name."""
+    if isinstance(argument, (list, tuple)):
+        return [_argument_text(a) for a in argument]
+    return (
+        argument.meta.get("val", argument.name) if isinstance(argument, torch.fx.Node) else argument
+    )
+
+
+def drop_unread_size_computations(nodes: list[torch.fx.Node]) -> None:
+    """The symbolic-size computations (`sym_size`, arithmetic on it) nothing reads now."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if (
+            node.users
+            or node.op != "call_function"
+            or isinstance(node.meta.get("val"), torch.Tensor)
+        ):
+            continue
+        stack.extend(node.all_input_nodes)
+        node.graph.erase_node(node)
+
+
 def rewrite_as_view(match: ShapeOpAsView) -> None:
     node = match.node
-    original = f"{_op_name(node)}{tuple(node.args[1:])}"
+    original = f"{_op_name(node)}{tuple(map(_argument_text, node.args[1:]))}"
+    sizes_read = [a for a in node.all_input_nodes if a is not node.args[0]]
     node.target = aten.view.default
     node.args = (node.args[0], list(match.shape))
     node.kwargs = {}
+    drop_unread_size_computations(sizes_read)
     node.meta["custom"] = {**node.meta.get("custom", {}), SHAPE_OP_MARK: original}
 
 

@@ -9,10 +9,11 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from etfold.backends.xnnpack import XnnpackPartitioner
@@ -23,6 +24,7 @@ from etfold.backends.xnnpack._passes.expand_as_delegated_ops_pass import (
 )
 from etfold.decisions import collect_decisions
 from etfold.exir import to_edge_transform_and_lower
+from etfold.harness.dynamic_shapes import check_at_sizes, lower_dynamic
 from etfold.harness.xnnpack_runner import assert_close, lower_module_xnnpack
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -192,6 +194,72 @@ def test_generated_expands_join_the_delegate_bit_for_bit(shape, repeats, leading
     assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
 
 
+# ---- dynamic shapes: the sequence dim is a torch.export.Dim, the copies are static
+
+
+@functools.cache
+def _lowered_dynamic_gqa():
+    torch.manual_seed(0)
+    tokens = torch.export.Dim("tokens", min=2, max=16)
+    example = (torch.randn(1, 5, 24), _causal_mask(5, torch.float32))
+    dims = ({1: tokens}, {2: tokens, 3: tokens})
+    module = Gqa().eval()
+    program, decisions = lower_dynamic(
+        module, example, dims, [XnnpackPartitioner()], lower=to_edge_transform_and_lower
+    )
+    return module, program, [d for d in decisions if d.fold == FOLD]
+
+
+def test_dynamic_gqa_rewrites_every_expand_as_the_static_export_does():
+    """Only the node names differ (the dynamic program is decomposed in another order)."""
+    _, program, decisions = _lowered_dynamic_gqa()
+    details = [(d.applied, re.sub(r"add_\d+", "add", d.detail)) for d in decisions]
+    assert details == [(True, detail) for detail in GQA_DETAILS]
+    assert "aten.expand_copy.default" not in program.ops_outside()
+
+
+@pytest.mark.parametrize("tokens", [2, 9, 16], ids=["min", "between", "max"])
+def test_dynamic_gqa_on_the_runtime_matches_eager_within_the_bounds(tokens):
+    module, program, _ = _lowered_dynamic_gqa()
+    check_at_sizes(
+        program,
+        module,
+        lambda t: (torch.randn(1, t, 24), _causal_mask(t, torch.float32)),
+        [tokens],
+        atol=1e-5,
+    )
+
+
+@settings(max_examples=3, deadline=None, phases=[Phase.generate])
+@given(
+    rows=st.integers(2, 6),
+    n_rep=st.integers(2, 7),
+    leading=st.booleans(),
+)
+def test_generated_dynamic_repeats_are_bit_exact_at_the_bounds(rows, n_rep, leading):
+    """`x` of [rows, 1, T] (T dynamic) copied n_rep times along axis 1, with and without a
+    new leading axis; run at T's minimum and maximum."""
+    shape = [2, rows, n_rep, -1] if leading else [rows, n_rep, -1]
+
+    class Repeat(torch.nn.Module):
+        def forward(self, x):
+            out = list(shape)
+            out[-1] = x.shape[-1]
+            return (x + x).expand(out).reshape(-1, x.shape[-1])
+
+    length = torch.export.Dim("length", min=3, max=12)
+    module = Repeat()
+    program, decisions = lower_dynamic(
+        module, (torch.randn(rows, 1, 5),), ({2: length},), [XnnpackPartitioner()]
+    )
+    assert [d.applied for d in decisions if d.fold == FOLD] == [True]
+    assert program.delegates() == 1 and not program.ops_outside()
+    for t in (3, 12):
+        x = torch.randn(rows, 1, t)
+        (actual,) = program.run(x)
+        assert torch.equal(actual, module(x))
+
+
 # ---- declines: the program comes back as it was, the reason recorded
 
 ALL_BROADCASTING = tuple(BROADCASTING_OPS)
@@ -213,15 +281,37 @@ class Copies(torch.nn.Module):
         return x.expand(self.shape).reshape(-1)
 
 
-def test_declines_when_the_shape_is_dynamic():
-    batch = torch.export.Dim("batch", min=2, max=8)
+def test_declines_when_the_number_of_copies_is_symbolic():
+    rows = torch.export.Dim("rows", min=2, max=8)
 
-    class Dynamic(torch.nn.Module):
+    class CopiesPerRow(torch.nn.Module):
+        def forward(self, x, y):
+            return x.expand(y.shape[0], 4).reshape(-1), y
+
+    inputs = (torch.randn(1, 4), torch.randn(3, 4))
+    (reason,) = _declined(CopiesPerRow(), inputs, dynamic_shapes=(None, {0: rows}))
+    assert re.fullmatch(
+        r"dynamic shape: dim 0 goes from 1 to (s\d+) \(\1 in 2\.\.8\): "
+        r"the copies are not known when lowering",
+        reason,
+    )
+
+
+def test_declines_copies_of_an_input_with_two_symbolic_sizes():
+    """The first copy beside the input is a view: XNNPACK's reshape infers one size."""
+    rows, cols = torch.export.Dim("rows", min=2, max=8), torch.export.Dim("cols", min=2, max=8)
+
+    class Repeated(torch.nn.Module):
         def forward(self, x):
-            return x.expand(x.shape[0], 3, 4).reshape(-1)
+            return x.expand(x.shape[0], 3, x.shape[2]).reshape(-1)
 
-    reasons = _declined(Dynamic(), (torch.randn(2, 1, 4),), dynamic_shapes=({0: batch},))
-    assert reasons == ["dynamic shape: the copies are not known when lowering"]
+    dims = ({0: rows, 2: cols},)
+    (reason,) = _declined(Repeated(), (torch.randn(2, 1, 4),), dynamic_shapes=dims)
+    assert re.fullmatch(
+        r"the copied input has symbolic sizes at dim 0 \(s\d+ in 2\.\.8\), "
+        r"dim 2 \(s\d+ in 2\.\.8\): XNNPACK's static reshape infers at most one",
+        reason,
+    )
 
 
 def test_declines_when_the_result_is_empty():

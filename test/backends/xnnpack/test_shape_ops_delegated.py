@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import functools
+import re
 import types
 
 import pytest
@@ -24,10 +26,12 @@ from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import (
     FOLD,
     SHAPE_OP_MARK,
     match_shape_op,
+    shape_ops_as_views,
 )
 from etfold.backends.xnnpack.partition.shape_op_partitions import settle_shape_op_views
 from etfold.decisions import Declined, collect_decisions
 from etfold.exir import to_edge_transform_and_lower
+from etfold.harness.dynamic_shapes import check_at_sizes, lower_dynamic
 from etfold.harness.xnnpack_runner import (
     assert_close,
     eager_outputs,
@@ -192,6 +196,65 @@ def test_one_symbolic_size_becomes_the_inferred_dim():
         assert_close(lowered.run(x), eager_outputs(module, (x,)), atol=1e-5)
 
 
+class HeadsOnADynamicSequence(torch.nn.Module):
+    """A dynamic export's reshapes: `view(b, t, heads, d)` with t a symbolic size, and back."""
+
+    def __init__(self, width: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, width = x.shape
+        y = self.proj(x).view(b, t, self.heads, width // self.heads)
+        return (torch.relu(y) * 2.0).view(b, t, width)
+
+
+@functools.cache
+def _lowered_heads(dynamic: bool):
+    torch.manual_seed(0)
+    module = HeadsOnADynamicSequence().eval()
+    tokens = torch.export.Dim("tokens", min=2, max=32)
+    dims = ({1: tokens},) if dynamic else None
+    program, decisions = lower_dynamic(
+        module,
+        (torch.randn(1, 8, 32),),
+        dims,
+        [XnnpackPartitioner()],
+        lower=to_edge_transform_and_lower,
+    )
+    return module, program, [d for d in decisions if d.fold == FOLD]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_views_with_a_symbolic_size_join_the_delegate(dynamic):
+    """Static: upstream's own views, nothing to rewrite. Dynamic: the symbolic size becomes
+    the one inferred size, and the program is one delegate as the static one is."""
+    module, program, decisions = _lowered_heads(dynamic)
+    assert program.delegates() == 1 and not program.ops_outside()
+    expected = ["view.default([1, s, 4, 8],)", "view.default([1, s, 32],)"] if dynamic else []
+    details = [
+        re.sub(r"s\d+", "s", d.detail).removesuffix(" runs as an XNNPACK reshape")
+        for d in decisions
+    ]
+    assert details == expected and all(d.applied for d in decisions)
+    sizes = (2, 13, 32) if dynamic else (8,)
+    check_at_sizes(program, module, lambda t: (torch.randn(1, t, 32),), sizes, atol=1e-5)
+
+
+def test_a_symbolic_view_is_written_with_its_output_shape():
+    tokens = torch.export.Dim("tokens", min=2, max=32)
+    program = torch.export.export(
+        HeadsOnADynamicSequence(), (torch.randn(1, 8, 32),), dynamic_shapes=({1: tokens},)
+    )
+    rewritten = shape_ops_as_views(program, frozenset({"linear.default"}), bf16=False)
+    views = [n for n in rewritten.graph.nodes if n.target is torch.ops.aten.view.default]
+    assert [v.args[1] for v in views] == [[1, -1, 4, 8], [1, -1, 32]]
+    assert not [n for n in rewritten.graph.nodes if n.target is torch.ops.aten.sym_size.int]
+    x = torch.randn(1, 5, 32)
+    assert torch.equal(rewritten.module()(x), program.module()(x))
+
+
 # ---- declines: the op stays outside, as upstream has it, and the reason is recorded
 
 
@@ -276,8 +339,12 @@ def test_declines_when_more_than_one_size_is_symbolic():
     with collect_decisions() as decisions:
         lowered = lower_xnnpack(program, [XnnpackPartitioner()], lower=to_edge_transform_and_lower)
     assert lowered.ops_outside()["aten.unsqueeze_copy.default"] == 1
-    reasons = [d.detail for d in decisions if d.fold == FOLD]
-    assert reasons == ["sizes [0, 2] are symbolic: XNNPACK's static reshape infers at most one"]
+    (reason,) = [d.detail for d in decisions if d.fold == FOLD]
+    assert re.fullmatch(
+        r"sizes \[0, 2\] are symbolic \(dim 0 \(s\d+ in 2\.\.8\), dim 2 \(s\d+ in 2\.\.8\)\): "
+        r"XNNPACK's static reshape infers at most one",
+        reason,
+    )
     x = torch.randn(4, 6)
     assert_close(lowered.run(x), eager_outputs(module, (x,)), atol=1e-6)
 
