@@ -4,15 +4,17 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""Command line: `etfold report`.
+"""Command line: `etfold report` and `etfold lower`.
 
-Imports stay lazy: `etfold --help` and `etfold report --list` never import torch.
+Imports stay lazy: `etfold --help`, `--version`, `etfold report --list` and a
+missing or unreadable input file never import torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import io
 import json
 import math
@@ -20,10 +22,11 @@ import os
 import shutil
 import sys
 import time
+import zipfile
 from collections.abc import Iterator
 from typing import TextIO
 
-from etfold import demo_models
+from etfold import __version__, demo_models, versions
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a lowering or a run failed (the table shows which)
@@ -62,9 +65,62 @@ def _positive_float(text: str) -> float:
     return value
 
 
+# `etfold lower` targets (etfold.lowering.TARGETS, named here so --help imports nothing)
+LOWER_TARGETS = ("xnnpack", "tosa-int", "tosa-fp", "ethos-u55", "ethos-u85")
+DEFAULT_RANDOM_CALIBRATION = 16
+
+
+def _non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    return int(text)
+
+
+def _add_calibration(parser: argparse.ArgumentParser, where: str) -> None:
+    parser.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help=f"{where}: calibrate on the input tuples saved in FILE "
+        "(torch.save([(x1, ...), ...], FILE))",
+    )
+    parser.add_argument(
+        "--random-calibration",
+        metavar="N",
+        type=_non_negative_int,
+        default=DEFAULT_RANDOM_CALIBRATION,
+        help=f"{where}, without --calibration: calibrate on N random inputs "
+        f"(default {DEFAULT_RANDOM_CALIBRATION}); a warning says the error is then not meaningful",
+    )
+
+
+def _lower_parser(commands) -> None:
+    low = commands.add_parser(
+        "lower",
+        help="write etfold's .pte for a saved ExportedProgram, with a summary of what folded",
+        epilog=_EPILOG,
+    )
+    low.add_argument("program", metavar="PROGRAM.pt2", help="torch.export.save(program, path)")
+    low.add_argument(
+        "--backend", choices=LOWER_TARGETS, default="xnnpack", help="(default xnnpack)"
+    )
+    low.add_argument("-o", "--output", required=True, metavar="OUT.pte", help="where to write")
+    _add_calibration(low, "tosa-int and ethos-u targets")
+    low.add_argument("--explain", action="store_true", help="list every fold decision")
+    low.add_argument(
+        "--verbose", action="store_true", help="show third-party warnings and runtime messages"
+    )
+    low.add_argument("--debug", action="store_true", help="print the traceback of a failure")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="etfold", epilog=_EPILOG)
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"etfold {__version__} (supports {versions.supported_text()})",
+    )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _lower_parser(commands)
     rep = commands.add_parser(
         "report",
         help="lower with stock ExecuTorch and with etfold, run both, compare",
@@ -81,6 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--program", help="a user's exported program (.pt2, saved with example inputs)"
     )
+    _add_calibration(rep, "--program on arm")
     rep.add_argument(
         "--runs",
         type=_positive_int,
@@ -111,7 +168,9 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument(
         "--jsonl", action="store_true", help="print JSON Lines: one object per row, as they finish"
     )
-    rep.add_argument("--list", action="store_true", help="list the built-in models and exit")
+    rep.add_argument(
+        "--list", action="store_true", help="list the built-in models (of --backend) and exit"
+    )
     rep.add_argument(
         "--explain", action="store_true", help="list every fold decision, each with its node"
     )
@@ -182,6 +241,37 @@ def _select(args, entries) -> list:
 
 class _UsageError(Exception):
     pass
+
+
+def _check_readable_file(path: str, what: str) -> None:
+    """The checks that need no torch, so a mistyped path costs no torch import."""
+    if not os.path.exists(path):
+        raise _UsageError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise _UsageError(f"{path}: is a directory, expected {what}")
+
+
+def _check_program_file(path: str) -> None:
+    _check_readable_file(path, "a .pt2 file")
+    if not zipfile.is_zipfile(path):
+        raise _UsageError(
+            f"{path}: not a readable .pt2 archive (truncated, or not written by "
+            "torch.export.save(program, path))"
+        )
+
+
+def _calibration_source(args, quantized: bool, progress: TextIO):
+    """Where an integer lowering's calibration samples come from; warns about random ones."""
+    from etfold.calibration import RANDOM_CALIBRATION_WARNING, CalibrationSource
+
+    if not quantized:
+        return None
+    if args.calibration is not None:
+        return CalibrationSource(path=args.calibration)
+    if args.random_calibration:
+        warning = RANDOM_CALIBRATION_WARNING.format(count=args.random_calibration)
+        print(f"etfold: warning: {warning}", file=progress, flush=True)
+    return CalibrationSource(random_count=args.random_calibration)
 
 
 def _skip_unavailable(entries, progress: TextIO) -> list:
@@ -360,21 +450,47 @@ def _models_to_run(args, progress: TextIO) -> list:
         if args.model or args.all:
             raise _UsageError(f"give --program or {'--model' if args.model else '--all'}, not both")
         backend = args.backend or "xnnpack"
-        entry = demo_models.CatalogueEntry(args.program, backend, "", "")
-        if entry.missing_extras():
-            raise _UsageError(f"--backend {backend} needs {_extras_text(entry.missing_extras())}")
+        _check_needs(backend)
+        calibration = _calibration_source(args, backend == "arm", progress)
         with report_workers.chatter_kept_off_stdout(not (args.verbose or args.debug)):
-            report.load_user_program(args.program)  # bad input fails here, before any lowering
-        return [report_workers.ModelRef(args.program, backend, program=args.program)]
+            program = report.load_user_program(args.program)  # bad input fails here, before
+            if calibration is not None:  # any lowering
+                calibration.samples(program)
+        ref = report_workers.ModelRef(
+            args.program, backend, program=args.program, calibration=calibration
+        )
+        return [ref]
     entries = _skip_unavailable(_select(args, demo_models.catalogue()), progress)
     return [report_workers.ModelRef.of_entry(e) for e in entries]
 
 
+def _check_needs(backend: str) -> None:
+    """The extras a backend's lowering needs, before anything is loaded."""
+    entry = demo_models.CatalogueEntry("", backend, "", "")
+    if entry.missing_extras():
+        raise _UsageError(f"--backend {backend} needs {_extras_text(entry.missing_extras())}")
+
+
+def _check_input_files(args) -> None:
+    if args.command == "lower":
+        _check_program_file(args.program)
+        output = os.path.dirname(os.path.abspath(args.output))
+        if os.path.isdir(args.output) or not os.path.isdir(output):
+            raise _UsageError(f"{args.output}: cannot write there (a directory, or no such folder)")
+    elif args.program and not (args.model or args.all):  # else the combination is the error
+        _check_program_file(args.program)
+    if args.calibration is not None:
+        _check_readable_file(args.calibration, "a .pt file of input tuples")
+
+
 def _report(args) -> int:
     if args.list:
-        return _list(demo_models.catalogue(), args.json)
+        entries = demo_models.catalogue()
+        return _list([e for e in entries if args.backend in (None, e.backend)], args.json)
     if args.json and args.jsonl:
         raise _UsageError("give --json or --jsonl, not both")
+    if args.calibration is not None and not (args.program and args.backend == "arm"):
+        raise _UsageError("--calibration applies to --program with --backend arm")
     from etfold.decisions import set_log_level
 
     if args.verbose:
@@ -389,11 +505,48 @@ def _report(args) -> int:
     return EXIT_FAILED if any(o.failure for o in outcomes) else EXIT_OK
 
 
+def _lower(args) -> int:
+    """Lower a user's saved program with etfold, write the .pte, print the summary."""
+    from etfold import lowering, report, report_workers
+
+    target = args.backend
+    _check_needs(lowering.REPORT_BACKEND[target])
+    if target.startswith("ethos-u") and importlib.util.find_spec("ethosu") is None:
+        raise _UsageError(f"--backend {target} needs Vela: {_extras_text(['arm'])}")
+    capture = not (args.verbose or args.debug)
+    with _progress_stream() as progress:
+        calibration = _calibration_source(args, target in lowering.QUANTIZED_TARGETS, progress)
+        with report_workers.chatter_kept_off_stdout(capture):
+            program = report.load_user_program(args.program)
+            samples = calibration.samples(program) if calibration else []
+            try:
+                lowered = lowering.lower_program(program, target, samples)
+            except report.UserInputError:
+                raise
+            except Exception as error:
+                if args.debug:
+                    raise
+                failure = report.failure_text(error)
+            else:
+                failure = None
+    if failure is not None:
+        print(f"etfold: lowering failed: {failure} (--debug shows the traceback)", file=sys.stderr)
+        return EXIT_FAILED
+    lowered.write(args.output)
+    for line in lowering.summary(lowered, explain=args.explain):
+        print(line)
+    print(f"wrote {args.output}")
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        _check_input_files(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "lower":
+            return _lower(args)
     except BrokenPipeError:  # the reader went away (`etfold report --list | head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK

@@ -128,7 +128,7 @@ def _summarize(decisions: Sequence[FoldDecision], outcome: Outcome) -> None:
         (outcome.applied if d.applied else outcome.declined).append(record)
 
 
-def _xnnpack_lowering(flavour: str, program, partitioner_kwargs: Mapping[str, Any]):
+def xnnpack_lowering(flavour: str, program, partitioner_kwargs: Mapping[str, Any]):
     from etfold.harness import xnnpack_runner
 
     if flavour == "stock":
@@ -156,7 +156,7 @@ def _measure_fp32_twin(outcome: Outcome, model: DemoModel) -> None:
     module, inputs = model.fp32_twin()
     program = torch.export.export(in_eval_mode(module), inputs)
     with collect_decisions():
-        lowered = _xnnpack_lowering(outcome.flavour, program, model.partitioner_kwargs)
+        lowered = xnnpack_lowering(outcome.flavour, program, model.partitioner_kwargs)
     outcome.fp32_twin = {
         "delegates": lowered.delegates(),
         "ops_outside": sum(lowered.ops_outside().values()),
@@ -172,7 +172,7 @@ def _lower_xnnpack(outcome: Outcome, model: DemoModel) -> _Lowered:
     module, inputs = model.build()
     program = torch.export.export(in_eval_mode(module), inputs)
     with collect_decisions() as decisions:
-        lowered = _xnnpack_lowering(outcome.flavour, program, model.partitioner_kwargs)
+        lowered = xnnpack_lowering(outcome.flavour, program, model.partitioner_kwargs)
     _summarize(decisions, outcome)
     outcome.delegates = lowered.delegates()
     outcome.ops_outside = dict(lowered.ops_outside())
@@ -452,8 +452,11 @@ def _load_error_text(path: str, error: BaseException, logged: Sequence[str]) -> 
     return f"{path}: cannot read the exported program ({type(error).__name__}: {message[:200]})"
 
 
-def user_program(path: str, backend: str) -> DemoModel:
-    """A user's `.pt2` as a report model; each build loads it afresh."""
+def user_program(path: str, backend: str, calibration=None) -> DemoModel:
+    """A user's `.pt2` as a report model; each build loads it afresh. An Arm model
+    calibrates on its example inputs, then on the samples of `calibration`
+    (an `etfold.calibration.CalibrationSource`, which imports this module).
+    """
     from etfold.demo_models.base import DemoModel
 
     def build():
@@ -461,7 +464,10 @@ def user_program(path: str, backend: str) -> DemoModel:
         args, _ = program.example_inputs
         return program.module(check_guards=False), tuple(args)
 
-    return DemoModel(path, backend, build, "a user's exported program")
+    def samples():
+        return calibration.samples(load_user_program(path)) if calibration else []
+
+    return DemoModel(path, backend, build, "a user's exported program", calibration=samples)
 
 
 def _ops_text(ops: Mapping[str, int], top: int = 2) -> str:
@@ -476,7 +482,7 @@ def _ops_text(ops: Mapping[str, int], top: int = 2) -> str:
     return f"{total} ({kinds}{more})"
 
 
-def _decision_notes(
+def decision_notes(
     prefix: str, records: Sequence[dict[str, str]], explain: bool = False
 ) -> list[str]:
     """One line per distinct (fold, detail) with its count, at most a few per fold.
@@ -578,7 +584,7 @@ def _decision_lines(outcomes: Sequence[Outcome], explain: bool) -> list[str]:
     notes = []
     for o in outcomes:
         for verdict, records in (("applied ", o.applied), ("declined", o.declined)):
-            notes += _decision_notes(f"  {o.model} [{o.flavour}] {verdict}", records, explain)
+            notes += decision_notes(f"  {o.model} [{o.flavour}] {verdict}", records, explain)
         notes += [f"  {o.model} [{o.flavour}] note     {n}" for n in o.notes]
     return ["", "fold decisions:", *notes] if notes else []
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from etfold.calibration import CalibrationSource
     from etfold.demo_models import CatalogueEntry, DemoModel
     from etfold.report import Outcome, TimingPlan
 
@@ -55,6 +56,7 @@ class ModelRef:
     backend: str
     entry: CatalogueEntry | None = None
     program: str | None = None
+    calibration: CalibrationSource | None = None  # a user's program on Arm
 
     @classmethod
     def of_entry(cls, entry: CatalogueEntry) -> ModelRef:
@@ -64,7 +66,7 @@ class ModelRef:
         if self.entry is None:
             from etfold.report import user_program
 
-            return user_program(self.program, self.backend)
+            return user_program(self.program, self.backend, self.calibration)
         from etfold import demo_models
 
         (model,) = demo_models.load([self.entry])
