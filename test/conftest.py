@@ -29,12 +29,11 @@
   runtime's threadpool): `make test` runs one worker per core, and two pools
   of two threads each on two cores spend their time waiting for each other
   (7-8 % of the suite's time), on models too small to gain from a second thread.
-- Every test runs inside `lowering_speedups()`, as `etfold report` does: torch
-  lowers exactly as it would, without repeating one lookup per op namespace,
-  one kernel-registration closure per op and key, or a deep copy of every
-  node's provenance chain on every pass (each a fifth to a third of a
-  lowering, stock and etfold alike), and XNNPACK builds its SDPA and bilinear
-  match patterns only for a graph that holds their op.
+- The tests run on stock torch: the lowering speed-ups (`torch_speedups`, which
+  etfold's entry point enters by default) are switched off for the whole run
+  (`ETFOLD_SPEEDUPS=0`, subprocesses included), so every fold is proven, and
+  every "stock" lowering is, unpatched. test/exir/program/test_speedups_bytes.py
+  turns them on explicitly and compares the bytes with the same lowerings off.
 - Torch builds each structured-trace event (graphs printed, stacks summarized)
   only while its trace logger has a handler of its own; outside pytest it has
   none after its first event. pytest's log capture attaches a handler to every
@@ -51,6 +50,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 from xdist.scheduler import LoadScopeScheduling
+
+os.environ["ETFOLD_SPEEDUPS"] = "0"  # before anything lowers: see the module doc
 
 settings.register_profile("suite", derandomize=True, database=None, deadline=None)
 settings.register_profile("explore", database=None, deadline=None)
@@ -147,16 +148,6 @@ def _one_thread_per_worker():
     yield
     torch.set_num_threads(saved[0])
     portable_lib._unsafe_reset_threadpool(saved[1])
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _lowering_speedups():
-    # imported here, not at the top: under xdist the controlling process loads this file
-    # too, and torch's import there (8 s) would delay starting the workers
-    from etfold.harness.lowering_speedups import lowering_speedups
-
-    with lowering_speedups():
-        yield
 
 
 # Young objects collected every 100,000 allocations rather than 700, and a full

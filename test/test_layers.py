@@ -27,6 +27,7 @@ LAYERS = (
             "etfold.decisions",
             "etfold.exir.passes.graph_walk",
             "etfold.exir.program.working_copy",
+            "etfold.exir.program.reentrant_patch",
             "etfold.backends.arm._passes.op_families",
             "etfold.backends.arm._passes.constants",
             "etfold.backends.arm._passes.twin_layers",

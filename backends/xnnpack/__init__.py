@@ -10,9 +10,9 @@ from etfold.backends.xnnpack.partition.dynamically_quantized import (
     XnnpackDynamicallyQuantizedPartitioner,
 )
 from etfold.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-from etfold.backends.xnnpack.pattern_graphs_on_demand import patterns_on_demand
-from etfold.exir.program.lowering_scopes import register_lowering_scope
+from etfold.backends.xnnpack.pattern_graphs_on_demand import PATCH as _PATTERNS_ON_DEMAND
+from etfold.exir.program.speedups import register_speedup
 
-register_lowering_scope(patterns_on_demand)
+register_speedup(_PATTERNS_ON_DEMAND)
 
 __all__ = ["XnnpackDynamicallyQuantizedPartitioner", "XnnpackPartitioner"]

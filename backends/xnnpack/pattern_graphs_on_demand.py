@@ -16,8 +16,7 @@ target, and every SDPA pattern holds `_softmax`, every bilinear one
 patterns). Inside `patterns_on_demand()` such a pass, given a graph without its
 op, runs upstream's own `call` over no patterns, which is what matching them
 would find; otherwise it runs untouched. Same program, same bytes; the scope
-undoes itself on exit, and where upstream is not the one this was written
-against it changes nothing.
+undoes itself on exit and acts only in the context that entered it.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import functools
 import importlib
 from dataclasses import dataclass
 
-from etfold.exir.program.reentrant_patch import ReentrantPatch
+from etfold.exir.program.reentrant_patch import PatchUnavailable, ReentrantPatch, Replacement
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,6 @@ PATTERN_USERS = (
 _unmatchable: contextvars.ContextVar[frozenset[PatternUser]] = contextvars.ContextVar(
     "etfold_xnnpack_unmatchable_patterns", default=frozenset()
 )
-_saved: list[tuple[object, str, object]] = []  # (owner, attribute, upstream's value)
 
 
 def holds_op(graph, op) -> bool:
@@ -80,62 +78,54 @@ def holds_op(graph, op) -> bool:
     return any(node.op == "call_function" and op == node.target for node in graph.nodes)
 
 
-def _call_skipping_unmatchable(user: PatternUser, call, anchor):
-    @functools.wraps(call)
-    def on_demand(self, graph_module):
-        if holds_op(graph_module.graph, anchor):
-            return call(self, graph_module)
-        token = _unmatchable.set(_unmatchable.get() | {user})
-        try:
-            return call(self, graph_module)
-        finally:
-            _unmatchable.reset(token)
+def _call_skipping_unmatchable(user: PatternUser, anchor):
+    def make(call):
+        @functools.wraps(call)
+        def on_demand(self, graph_module):
+            if holds_op(graph_module.graph, anchor):
+                return call(self, graph_module)
+            token = _unmatchable.set(_unmatchable.get() | {user})
+            try:
+                return call(self, graph_module)
+            finally:
+                _unmatchable.reset(token)
 
-    return on_demand
+        return on_demand
 
-
-def _patterns_unless_unmatchable(user: PatternUser, patterns):
-    @functools.wraps(patterns)
-    def on_demand():
-        return user.no_patterns() if user in _unmatchable.get() else patterns()
-
-    return on_demand
+    return make
 
 
-def _install_one(user: PatternUser) -> None:
+def _patterns_unless_unmatchable(user: PatternUser):
+    def make(patterns):
+        @functools.wraps(patterns)
+        def on_demand():
+            return user.no_patterns() if user in _unmatchable.get() else patterns()
+
+        return on_demand
+
+    return make
+
+
+def _replacements_for(user: PatternUser) -> list[Replacement]:
     try:
         pass_class = getattr(importlib.import_module(user.pass_module), user.pass_class)
         patterns_module = importlib.import_module(user.patterns_module)
         anchor = user.anchor_op()
-    except (ImportError, AttributeError):
-        return
-    call = pass_class.__dict__.get("call")
-    patterns = getattr(patterns_module, user.patterns_function, None)
-    if not (callable(call) and callable(patterns)):
-        return
-    for owner, attribute, value in (
-        (pass_class, "call", _call_skipping_unmatchable(user, call, anchor)),
-        (patterns_module, user.patterns_function, _patterns_unless_unmatchable(user, patterns)),
-    ):
-        _saved.append((owner, attribute, getattr(owner, attribute)))
-        setattr(owner, attribute, value)
+    except (ImportError, AttributeError) as error:
+        raise PatchUnavailable(f"{user.pass_class}: {error}") from None
+    return [
+        Replacement(pass_class, "call", _call_skipping_unmatchable(user, anchor)),
+        Replacement(patterns_module, user.patterns_function, _patterns_unless_unmatchable(user)),
+    ]
 
 
-def _install() -> None:
-    for user in PATTERN_USERS:
-        _install_one(user)
-
-
-def _uninstall() -> None:
-    while _saved:
-        owner, attribute, upstream = _saved.pop()
-        setattr(owner, attribute, upstream)
-
-
-_PATCH = ReentrantPatch(_install, _uninstall)
+PATCH = ReentrantPatch(
+    "patterns_on_demand",
+    lambda: [r for user in PATTERN_USERS for r in _replacements_for(user)],
+)
 
 
 def patterns_on_demand() -> contextlib.AbstractContextManager[None]:
-    """While entered (re-entrantly, from any thread), XNNPACK's preprocess builds no pattern
-    graphs for a delegate graph that lacks their op."""
-    return _PATCH.scope()
+    """While entered, in this context, XNNPACK's preprocess builds no pattern graphs for a
+    delegate graph that lacks their op."""
+    return PATCH.scope()

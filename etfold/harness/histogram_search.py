@@ -14,8 +14,8 @@ about 90 ms per observer, a tenth of an INT test's time. Inside
 numbers and compares them with the bound rounded to float32, which is what
 torch's tensor-scalar comparison does, and calls the observer's own error
 measure: the chosen min/max are the ones torchao chooses. Runs of steps that
-move no bound (most of them) are taken a chunk at a time. Where torchao has
-no such method the scope changes nothing; it undoes itself on exit.
+move no bound (most of them) are taken a chunk at a time. It undoes itself on
+exit and acts only in the context that entered it.
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from etfold.exir.program.reentrant_patch import ReentrantPatch
+from etfold.exir.program.reentrant_patch import ReentrantPatch, Replacement
 
 STEP = 1e-5  # the search's quantile granularity, as torchao walks it
 _STALL_CHUNK = 4096
 _ATTRIBUTE = "_non_linear_param_search"
-_saved: list = []
 
 
 def _bounds_inward(cumulative, start: int, end: int, low: float, high: float) -> tuple[int, int]:
@@ -106,20 +105,11 @@ def _observer_class():
     return HistogramObserver
 
 
-def _install() -> None:
-    observer = _observer_class()
-    search = observer.__dict__.get(_ATTRIBUTE)
-    if callable(search):  # otherwise not the torchao this was written against: leave it
-        _saved.append(search)
-        setattr(observer, _ATTRIBUTE, search_min_max)
+def _replacements() -> list[Replacement]:
+    return [Replacement(_observer_class(), _ATTRIBUTE, lambda search: search_min_max)]
 
 
-def _uninstall() -> None:
-    if _saved:
-        setattr(_observer_class(), _ATTRIBUTE, _saved.pop())
-
-
-_PATCH = ReentrantPatch(_install, _uninstall)
+_PATCH = ReentrantPatch("histogram_search_on_numbers", _replacements)
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ import torch
 from executorch.exir.lowered_backend_module import LoweredBackendModule
 from torch.fx import GraphModule, Node
 
-from etfold.exir.program.reentrant_patch import ReentrantPatch
+from etfold.exir.program.reentrant_patch import PatchUnavailable, ReentrantPatch, Replacement
 
 _DEFINED_IN = "executorch.exir.verification.verifier"
 _CHECK = "_check_tensor_args_matching_op_allowed_dtype"
@@ -133,31 +133,22 @@ def passing_graphs_remembered(
     return check_unless_passed
 
 
-_saved: list[Callable] = []
-
-
-def _install() -> None:
+def _replacements() -> list[Replacement]:
     defining = importlib.import_module(_DEFINED_IN)
-    check = getattr(defining, _CHECK, None)
-    if callable(check):
-        _saved.append(check)
-        setattr(defining, _CHECK, passing_graphs_remembered(check))
+    if not callable(vars(defining).get(_CHECK)):
+        raise PatchUnavailable(f"{_DEFINED_IN}.{_CHECK} is gone")
+    return [Replacement(defining, _CHECK, passing_graphs_remembered)]
 
 
-def _uninstall() -> None:
-    if _saved:
-        setattr(importlib.import_module(_DEFINED_IN), _CHECK, _saved.pop())
-
-
-_PATCH = ReentrantPatch(_install, _uninstall)
+PATCH = ReentrantPatch("edge_dtype_check_once", _replacements)
 
 
 def upstreams_check() -> Callable[[GraphModule], None]:
     """Upstream's dtype check, also while the scope is entered (what the scope is compared against)."""
-    return _saved[0] if _saved else getattr(importlib.import_module(_DEFINED_IN), _CHECK)
+    return PATCH.original(importlib.import_module(_DEFINED_IN), _CHECK)
 
 
 def edge_dtype_check_once_per_graph() -> contextlib.AbstractContextManager[None]:
-    """While entered (re-entrantly, from any thread), a graph that passed the check passes again
-    without re-running it; what passed is forgotten when the last entry closes."""
-    return _PATCH.scope()
+    """While entered, in this context, a graph that passed the check passes again without
+    re-running it; what passed is forgotten when the last entry anywhere closes."""
+    return PATCH.scope()

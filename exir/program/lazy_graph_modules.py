@@ -4,36 +4,46 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""Graph modules a lowering builds write their Python code when it is first read.
+"""Graph modules a lowering builds write their Python code once, when the lowering ends.
 
 A `GraphModule` generates and compiles Python source for its graph when it is
 built and at every `recompile()`. A lowering builds hundreds (each `ExportPass`
 and its pass manager, each retrace, each `ExportedProgram`) and the next step
 reads only the graph: a tenth to a sixth of a lowering goes to source nobody
 runs. Inside `code_on_first_use_for_graph_modules()` the plain graph modules
-those builders make (`LOWERING_BUILDERS`) are torch's own `_LazyGraphModule`,
-which generates the same code from the same graph on the first call, `.code`
-read or pickle; its `recompile()` still refreshes the pytree specs (`_in_spec`,
-`_out_spec`) that torch and torchao read without running the module, so they
-are never stale. Every other graph module is built as torch builds it: one
-whose `forward` signature is read (dynamo's, a quantizer's, the user's) must
-have its code, since a lazy `forward` takes `*args`. A deep copy keeps its
-source's class, as torch's own lazy modules do. The scope
-undoes itself on exit; where torch's internals are not the ones this was written
-against, it changes nothing.
+those builders make (`LOWERING_BUILDERS`), and their deep copies, are torch's
+`_LazyGraphModule`, which writes the same code from the same graph when first
+called or read; its `recompile()` also refreshes the pytree specs (`_in_spec`,
+`_out_spec`) that torch and torchao read without running the module. A graph
+module whose `forward` signature is read (dynamo's, a quantizer's, the user's)
+is built as torch builds it.
+
+Nothing lazy leaves the scope: when this context's outermost scope exits, every
+lazy module it built that is still alive becomes a plain `GraphModule` of
+torch's own (a fresh per-instance class, as `GraphModule.__new__` makes) and is
+recompiled by torch's `GraphModule.recompile`. What the user gets back has only
+torch's classes, and `recompile()` returns torch's `PythonCode`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 import sys
+import weakref
+from collections.abc import Iterator
 
 from torch.fx import GraphModule
 from torch.fx.graph import _PyTreeCodeGen
 
-from etfold.exir.program.reentrant_patch import ReentrantPatch
+from etfold.exir.program.reentrant_patch import (
+    GATE_CODE,
+    PatchUnavailable,
+    ReentrantPatch,
+    Replacement,
+)
 
 # (module, qualified name) of each function whose plain graph modules are built lazily;
 # torch's `_make_graph_module` is looked through to the function that called it.
@@ -45,8 +55,10 @@ LOWERING_BUILDERS = (
 )
 _LOOKED_THROUGH = ("torch.fx._lazy_graph_module", "_make_graph_module")
 
-_saved: list = []
-_builders: set = set()
+# the lazy modules this context's outermost scope built, made torch's when it exits
+_built_here: contextvars.ContextVar[list[weakref.ref] | None] = contextvars.ContextVar(
+    "etfold_lazy_graph_modules", default=None
+)
 
 
 @functools.cache
@@ -73,42 +85,74 @@ def _code_of(module: str, qualified_name: str):
     target = importlib.import_module(module)
     for name in qualified_name.split("."):
         target = getattr(target, name, None)
-    return getattr(target, "__code__", None)
+    code = getattr(target, "__code__", None)
+    if code is None:
+        raise PatchUnavailable(f"{module}.{qualified_name} is gone")
+    return code
 
 
-def _lazy_when_a_lowering_builds_it(new, lazy, looked_through):
-    def __new__(cls, *args, **kwargs):
-        if cls is GraphModule:
-            caller = sys._getframe(1)
-            if caller.f_code is looked_through:
-                caller = caller.f_back
-            if caller.f_code in _builders:
-                cls = lazy
-        return new(cls, *args, **kwargs)
+def _lazy_when_a_lowering_builds_it(lazy, builders: frozenset, looked_through):
+    def make(new):
+        def __new__(cls, *args, **kwargs):
+            if cls is GraphModule:
+                caller = sys._getframe(1)
+                if caller.f_code is GATE_CODE:
+                    caller = caller.f_back
+                if caller.f_code is looked_through:
+                    caller = caller.f_back
+                if caller.f_code in builders:
+                    cls = lazy
+            module = new(cls, *args, **kwargs)
+            built = _built_here.get()
+            if built is not None and isinstance(module, lazy):
+                built.append(weakref.ref(module))
+            return module
 
-    return staticmethod(__new__)
+        return __new__
+
+    return make
 
 
-def _install() -> None:
-    new = GraphModule.__dict__.get("__new__")
-    lazy = _lazy_class() if isinstance(new, staticmethod) else None
+def _replacements() -> list[Replacement]:
+    lazy = _lazy_class()
     if lazy is None or not hasattr(lazy, "_needs_recompile"):
-        return
-    _builders.update(filter(None, (_code_of(*builder) for builder in LOWERING_BUILDERS)))
-    _saved.append(new)
-    looked_through = _code_of(*_LOOKED_THROUGH)
-    GraphModule.__new__ = _lazy_when_a_lowering_builds_it(new.__func__, lazy, looked_through)
+        raise PatchUnavailable("torch.fx._lazy_graph_module._LazyGraphModule is gone")
+    if not isinstance(vars(GraphModule).get("__new__"), staticmethod):
+        raise PatchUnavailable("torch.fx.GraphModule.__new__ is no longer a staticmethod")
+    builders = frozenset(_code_of(*builder) for builder in LOWERING_BUILDERS)
+    make = _lazy_when_a_lowering_builds_it(lazy, builders, _code_of(*_LOOKED_THROUGH))
+    return [Replacement(GraphModule, "__new__", make)]
 
 
-def _uninstall() -> None:
-    if _saved:
-        GraphModule.__new__ = _saved.pop()
-    _builders.clear()
+PATCH = ReentrantPatch("lazy_graph_modules", _replacements)
 
 
-_PATCH = ReentrantPatch(_install, _uninstall)
+def as_torchs_graph_module(module: GraphModule) -> None:
+    """Give a lazy graph module torch's per-instance `GraphModule` class and its code."""
+    torchs_new = PATCH.original(GraphModule, "__new__").__func__
+    module.__class__ = type(torchs_new(GraphModule))
+    module.recompile()
 
 
-def code_on_first_use_for_graph_modules() -> contextlib.AbstractContextManager[None]:
-    """While entered, plain graph modules a lowering builds generate their code on first use."""
-    return _PATCH.scope()
+def _made_torchs(built: list[weakref.ref]) -> None:
+    lazy = _lazy_class()
+    for reference in built:
+        module = reference()
+        if module is not None and isinstance(module, lazy):
+            as_torchs_graph_module(module)
+
+
+@contextlib.contextmanager
+def code_on_first_use_for_graph_modules() -> Iterator[None]:
+    """While entered, plain graph modules a lowering builds in this context write their code
+    once, when the outermost scope exits; none leaves it lazy."""
+    outermost = _built_here.get() is None
+    token = _built_here.set([]) if outermost else None
+    try:
+        with PATCH.scope():
+            yield
+    finally:
+        if outermost:
+            built = _built_here.get()
+            _built_here.reset(token)
+            _made_torchs(built)

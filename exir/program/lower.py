@@ -21,7 +21,6 @@ manager checks the external constant map at `to_executorch()`.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 
 from executorch.exir import EdgeProgramManager
@@ -30,19 +29,13 @@ from torch.export import ExportedProgram
 
 from etfold.exir.emit.external_constants import check_external_constant_names
 from etfold.exir.program.buffer_marks import mark_buffer_fold_blockers
-from etfold.exir.program.composite_op_lookup import one_composite_op_lookup_per_walk
-from etfold.exir.program.composite_op_overrides import one_override_write_per_composite_op
-from etfold.exir.program.edge_dtype_check_once import edge_dtype_check_once_per_graph
-from etfold.exir.program.lazy_graph_modules import code_on_first_use_for_graph_modules
 from etfold.exir.program.lowering_scopes import lowering_scopes
 from etfold.exir.program.method_marks import (
     MarkingStep,
     mark_constants_shared_across_methods,
     mark_methods,
 )
-from etfold.exir.program.preservable_op_checks import fixed_preservability_checked_once
-from etfold.exir.program.py_kernel_closures import one_py_kernel_closure_per_key
-from etfold.exir.program.shared_provenance import shared_provenance_chains
+from etfold.exir.program.speedups import torch_speedups
 from etfold.exir.program.working_copy import copy_for_rewrite
 
 # Applied in order to the method -> ATen program dict before upstream runs.
@@ -50,28 +43,6 @@ MARKING_STEPS: tuple[MarkingStep, ...] = (
     mark_constants_shared_across_methods,
     mark_buffer_fold_blockers,
 )
-
-
-@contextlib.contextmanager
-def torch_speedups():
-    """Torch's own lowering work, minus repeats: one composite-op lookup per walk, an op's
-    schema judged once, one write of each composite op's override kernels, one kernel
-    registration closure per op and key, provenance chains shared instead of deep-copied,
-    a graph module's Python code written when first used, not at every build and pass,
-    and the edge verifier's dtype check run once per graph, not per program built over it.
-
-    Programs come out byte-identical; torch is as it was once the scope exits.
-    """
-    with (
-        one_composite_op_lookup_per_walk(),
-        fixed_preservability_checked_once(),
-        one_override_write_per_composite_op(),
-        one_py_kernel_closure_per_key(),
-        shared_provenance_chains(),
-        code_on_first_use_for_graph_modules(),
-        edge_dtype_check_once_per_graph(),
-    ):
-        yield
 
 
 def mark_for_lowering(programs: Mapping[str, ExportedProgram]) -> None:
@@ -115,14 +86,21 @@ def to_edge_transform_and_lower(
     constant_methods=None,
     compile_config=None,
     generate_etrecord: bool = False,
+    *,
+    speedups: bool | None = None,
 ) -> CheckedEdgeProgramManager:
+    """Upstream's lowering of etfold's marked copies (see module doc).
+
+    `speedups`: enter `torch_speedups()` around the call (same bytes, less time); None
+    follows the `ETFOLD_SPEEDUPS` environment variable (on unless it says 0).
+    """
     by_method = programs if isinstance(programs, dict) else {"forward": programs}
     copies = {
         method: copy_for_rewrite(program) if isinstance(program, ExportedProgram) else program
         for method, program in by_method.items()
     }
     mark_for_lowering(copies)
-    with lowering_scopes(), torch_speedups():
+    with lowering_scopes(), torch_speedups(speedups):
         manager = _upstream_to_edge_transform_and_lower(
             copies if isinstance(programs, dict) else copies["forward"],
             transform_passes=transform_passes,

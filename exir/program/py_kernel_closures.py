@@ -10,12 +10,11 @@
 and building it evaluates its typing annotations (two `Callable[...]` aliases).
 Each `run_decompositions` registers, then restores, Python kernels for every
 composite-implicit op under several keys: ~6,000 closures per call, three or
-more calls per lowering, a third of lowering a small model. The closure reads
-only the operator and the key it was made for, and does its checks and its
-registration when called, so inside `one_py_kernel_closure_per_key()` the
-closure made for an (operator, key) pair is made once and reused. What every
-registration does is unchanged; the scope undoes itself on exit. Where torch's
-internals are not the ones this was written against, the scope changes nothing.
+more calls per lowering. The closure reads only the operator and the key it was
+made for, and does its checks and its registration when called, so inside
+`one_py_kernel_closure_per_key()` torch's closure for an (operator, key) pair is
+made once and reused: a memo around torch's own `py_impl`. What every
+registration does is unchanged.
 """
 
 from __future__ import annotations
@@ -26,10 +25,8 @@ from collections.abc import Callable
 
 from torch._ops import OperatorBase
 
-from etfold.exir.program.reentrant_patch import ReentrantPatch
+from etfold.exir.program.reentrant_patch import ReentrantPatch, Replacement
 
-_ATTRIBUTE = "py_impl"
-_saved: list[Callable] = []
 _closures: dict[tuple[object, object], Callable] = {}
 
 
@@ -47,22 +44,13 @@ def _closure_per_key(make_closure: Callable) -> Callable:
     return py_impl
 
 
-def _install() -> None:
-    make_closure = OperatorBase.__dict__.get(_ATTRIBUTE)
-    if callable(make_closure):
-        _saved.append(make_closure)
-        setattr(OperatorBase, _ATTRIBUTE, _closure_per_key(make_closure))
-
-
-def _uninstall() -> None:
-    if _saved:
-        setattr(OperatorBase, _ATTRIBUTE, _saved.pop())
-    _closures.clear()
-
-
-_PATCH = ReentrantPatch(_install, _uninstall)
+PATCH = ReentrantPatch(
+    "py_kernel_closures",
+    lambda: [Replacement(OperatorBase, "py_impl", _closure_per_key)],
+    forget=_closures.clear,
+)
 
 
 def one_py_kernel_closure_per_key() -> contextlib.AbstractContextManager[None]:
-    """While entered (re-entrantly, from any thread), `py_impl(key)` reuses its closure per op and key."""
-    return _PATCH.scope()
+    """While entered, `py_impl(key)` reuses its closure per op and key, in this context."""
+    return PATCH.scope()

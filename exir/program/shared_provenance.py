@@ -14,8 +14,7 @@ a quarter to a third of lowering a small decoder. Nothing mutates a NodeSource
 after it is built (torch appends only to a node's own `meta["from_node"]` list),
 so inside `shared_provenance_chains()` the new NodeSource takes a fresh list of
 the same NodeSource objects. Every chain reads, compares and serializes as
-torch's deep copy would. Where torch's internals are not the ones this was
-written against, the scope changes nothing.
+torch's deep copy would; every other value is deep-copied by `copy.deepcopy`.
 """
 
 from __future__ import annotations
@@ -26,17 +25,20 @@ import types
 
 from torch.fx import traceback as fx_traceback
 
-from etfold.exir.program.reentrant_patch import ReentrantPatch
+from etfold.exir.program.reentrant_patch import PatchUnavailable, ReentrantPatch, Replacement
 
 
 def _copy_sharing_provenance(torch_copy: types.ModuleType) -> types.ModuleType:
-    """`copy` as the traceback module sees it, except that a NodeSource chain is copied shallowly."""
+    """`copy` as the traceback module sees it, except that inside the scope a NodeSource
+    chain is copied shallowly."""
     shim = types.ModuleType(torch_copy.__name__)
     shim.__dict__.update(torch_copy.__dict__)
 
     def deepcopy(value, memo=None):
-        if isinstance(value, list) and all(
-            isinstance(link, fx_traceback.NodeSource) for link in value
+        if (
+            PATCH.active()
+            and isinstance(value, list)
+            and all(isinstance(link, fx_traceback.NodeSource) for link in value)
         ):
             return list(value)
         return torch_copy.deepcopy(value, memo)
@@ -45,29 +47,17 @@ def _copy_sharing_provenance(torch_copy: types.ModuleType) -> types.ModuleType:
     return shim
 
 
-def _written_against() -> bool:
-    return getattr(fx_traceback, "copy", None) is copy and isinstance(
-        getattr(fx_traceback, "NodeSource", None), type
-    )
+def _replacements() -> list[Replacement]:
+    if getattr(fx_traceback, "copy", None) is not copy:
+        raise PatchUnavailable("torch.fx.traceback no longer deep-copies through `copy`")
+    if not isinstance(getattr(fx_traceback, "NodeSource", None), type):
+        raise PatchUnavailable("torch.fx.traceback.NodeSource is gone")
+    return [Replacement(fx_traceback, "copy", _copy_sharing_provenance, gated=False)]
 
 
-_saved: list[types.ModuleType] = []
-
-
-def _install() -> None:
-    if _written_against():
-        _saved.append(fx_traceback.copy)
-        fx_traceback.copy = _copy_sharing_provenance(copy)
-
-
-def _uninstall() -> None:
-    if _saved:
-        fx_traceback.copy = _saved.pop()
-
-
-_PATCH = ReentrantPatch(_install, _uninstall)
+PATCH = ReentrantPatch("shared_provenance", _replacements)
 
 
 def shared_provenance_chains() -> contextlib.AbstractContextManager[None]:
-    """While entered (re-entrantly, from any thread), NodeSource chains are shared, not deep-copied."""
-    return _PATCH.scope()
+    """While entered, NodeSource chains are shared, not deep-copied, in this context."""
+    return PATCH.scope()

@@ -26,9 +26,7 @@ upstream's set.
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from executorch.backends.xnnpack._passes.channels_last_tagged_reshape_pass import (
@@ -41,17 +39,11 @@ from etfold.backends.xnnpack._passes.last_axis_normalizations import (
     normalizes_along_memory_axis,
 )
 from etfold.exir.passes.graph_walk import is_channels_last
+from etfold.exir.program.reentrant_patch import ReentrantPatch, Replacement
 
 LAYOUT_GUARD_SPEC = CompileSpec("etfold.layout_guard", b"1")
 
 LAST_AXIS_OPS = edge_forms()
-
-_guard_lock = threading.Lock()
-_guard_users = 0  # open guards in any thread
-_upstream_nchw_ops: set | None = None
-_guarded_here: contextvars.ContextVar[int] = contextvars.ContextVar(
-    "etfold_last_axis_guard", default=0
-)
 
 
 class _NchwOpsInThisContext:
@@ -63,7 +55,20 @@ class _NchwOpsInThisContext:
         self.upstream = upstream
 
     def __get__(self, instance, owner=None):
-        return self.upstream | LAST_AXIS_OPS if _guarded_here.get() else self.upstream
+        return self.upstream | LAST_AXIS_OPS if _PATCH.active() else self.upstream
+
+
+_PATCH = ReentrantPatch(
+    "last_axis_ops_read_nchw",
+    lambda: [
+        Replacement(
+            ChannelsLastTaggedReshapePass,
+            "memory_sensitive_ops_nchw",
+            _NchwOpsInThisContext,
+            gated=False,
+        )
+    ],
+)
 
 
 def _may_produce_nhwc(node: torch.fx.Node) -> bool:
@@ -97,24 +102,6 @@ def has_layout_guard(compile_specs) -> bool:
     return any(spec.key == LAYOUT_GUARD_SPEC.key for spec in compile_specs)
 
 
-@contextlib.contextmanager
-def last_axis_ops_read_nchw() -> Iterator[None]:
+def last_axis_ops_read_nchw() -> contextlib.AbstractContextManager[None]:
     """Extend upstream's NCHW-only op set for the block, in this context only (re-entrant)."""
-    global _guard_users, _upstream_nchw_ops
-    with _guard_lock:
-        if _guard_users == 0:
-            _upstream_nchw_ops = ChannelsLastTaggedReshapePass.__dict__["memory_sensitive_ops_nchw"]
-            ChannelsLastTaggedReshapePass.memory_sensitive_ops_nchw = _NchwOpsInThisContext(
-                _upstream_nchw_ops
-            )
-        _guard_users += 1
-    token = _guarded_here.set(_guarded_here.get() + 1)
-    try:
-        yield
-    finally:
-        _guarded_here.reset(token)
-        with _guard_lock:
-            _guard_users -= 1
-            if _guard_users == 0:
-                ChannelsLastTaggedReshapePass.memory_sensitive_ops_nchw = _upstream_nchw_ops
-                _upstream_nchw_ops = None
+    return _PATCH.scope()

@@ -4,11 +4,11 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""XNNPACK's partitioner tells which workflow called it as upstream does, without source reads.
+"""etfold's XNNPACK partitioner tells which workflow called it as upstream's does.
 
 Stacks of frames with chosen function and file names are built from code compiled
 under those names; at the innermost frame upstream's own check (`inspect.stack()`)
-and etfold's partitioner, which walks the frames, must agree. The real workflows are checked end to end.
+and etfold's partitioner must agree. The real workflows are checked end to end.
 """
 
 import functools
@@ -20,10 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from etfold.backends.xnnpack import XnnpackPartitioner
-from etfold.backends.xnnpack.partitioner_caller_check import (
-    caller_checked_from_frames,
-    upstreams_check,
-)
+from etfold.backends.xnnpack.partitioner_caller_check import upstreams_check
 from etfold.exir import to_edge_transform_and_lower
 
 NAMES = ("to_backend", "to_edge_transform_and_lower", "partition", "lower")
@@ -77,7 +74,7 @@ class _Linear(torch.nn.Module):
 
 def test_both_workflows_warn_as_upstream_does(caplog):
     program = torch.export.export(_Linear().eval(), (torch.randn(1, 4),))
-    with caplog.at_level(logging.WARNING), caller_checked_from_frames():
+    with caplog.at_level(logging.WARNING):
         to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
         assert "DEPRECATION WARNING" not in caplog.text
         to_edge(program).to_backend(XnnpackPartitioner())

@@ -6,11 +6,12 @@
 
 """XNNPACK's preprocess builds its match patterns only for a graph they could match.
 
-The suite runs inside the scope (test/conftest.py); a fresh interpreter checks the
-bytes of a lowering that never built the patterns (test_torch_speedups.py).
+The suite runs without the speed-ups (test/conftest.py); a fresh interpreter checks
+the bytes of a lowering that never built the patterns (test_torch_speedups.py).
 """
 
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -18,11 +19,12 @@ from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPar
 from executorch.exir import to_edge_transform_and_lower
 
 from etfold.backends.xnnpack.pattern_graphs_on_demand import (
+    PATCH,
     PATTERN_USERS,
     holds_op,
     patterns_on_demand,
 )
-from etfold.exir.program.lowering_scopes import registered_lowering_scopes
+from etfold.exir.program.speedups import registered_speedups
 
 IDS = [user.pass_class for user in PATTERN_USERS]
 
@@ -50,7 +52,7 @@ def _pattern_lookups() -> int:
     from executorch.backends.xnnpack.partition.graphs import bilinear_2d, sdpa
 
     builders = (
-        getattr(sdpa.get_graphs, "__wrapped__", sdpa.get_graphs),
+        inspect.unwrap(sdpa.get_graphs, stop=lambda f: hasattr(f, "cache_info")),
         bilinear_2d._get_bilinear_2d_graphs,
     )
     return sum(info.hits + info.misses for info in (b.cache_info() for b in builders))
@@ -86,7 +88,7 @@ def test_a_graph_holding_the_op_is_matched_against_upstreams_patterns(module, in
     assert lowered.exported_program().graph_module.lowered_module_0.processed_bytes
 
 
-def test_inside_the_scope_upstream_is_wrapped_and_etfolds_entry_point_enters_it():
+def test_inside_the_scope_upstream_is_wrapped_and_etfolds_speedups_enter_it():
     with patterns_on_demand():
         for user in PATTERN_USERS:
             call = getattr(importlib.import_module(user.pass_module), user.pass_class).call
@@ -94,4 +96,4 @@ def test_inside_the_scope_upstream_is_wrapped_and_etfolds_entry_point_enters_it(
                 importlib.import_module(user.patterns_module), user.patterns_function
             )
             assert call.__wrapped__ is not call and patterns.__wrapped__ is not patterns
-    assert patterns_on_demand in registered_lowering_scopes()
+    assert PATCH in registered_speedups()

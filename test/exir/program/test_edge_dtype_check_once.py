@@ -80,8 +80,13 @@ def _computing_node(graph_module, index: int = 0) -> torch.fx.Node:
     return [n for n in graph_module.graph.nodes if n.op == "call_function"][index]
 
 
-def test_the_scope_is_open_for_the_suite_and_wraps_upstreams_check():
-    assert verifier._check_tensor_args_matching_op_allowed_dtype is not upstreams_check()
+def test_the_scope_wraps_upstreams_check_while_open_and_only_then():
+    from etfold.exir.program.edge_dtype_check_once import edge_dtype_check_once_per_graph
+
+    assert verifier._check_tensor_args_matching_op_allowed_dtype is upstreams_check()
+    with edge_dtype_check_once_per_graph():
+        assert verifier._check_tensor_args_matching_op_allowed_dtype is not upstreams_check()
+    assert verifier._check_tensor_args_matching_op_allowed_dtype is upstreams_check()
 
 
 def test_a_graph_that_passed_is_checked_again_only_when_something_the_check_reads_changes():

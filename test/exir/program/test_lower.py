@@ -81,9 +81,11 @@ def undecorated(function, name="to_edge_transform_and_lower"):
     return next((f for f in cells if getattr(f, "__name__", None) == name), function)
 
 
-def test_signature_is_upstreams():
-    ours = inspect.signature(to_edge_transform_and_lower).parameters
+def test_signature_is_upstreams_plus_the_keyword_only_speedups_switch():
+    ours = dict(inspect.signature(to_edge_transform_and_lower).parameters)
     theirs = inspect.signature(undecorated(upstream_to_edge_transform_and_lower)).parameters
+    switch = ours.pop("speedups")
+    assert switch.kind is inspect.Parameter.KEYWORD_ONLY and switch.default is None
     assert "partitioner" in theirs
     assert list(ours) == list(theirs)
     assert [p.default for p in ours.values()] == [p.default for p in theirs.values()]

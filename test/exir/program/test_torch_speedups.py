@@ -4,18 +4,16 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""Torch's lowering, minus repeats: the same bytes and provenance, and torch left as it was.
+"""Torch's lowering, minus repeats: the same bytes and provenance, torch left as it was,
+nothing lazy handed back, and no other thread touched.
 
-Checked through `lowering_speedups()`, the scope the suite and `etfold report` enter
-(torch's speedups and XNNPACK's patterns built on demand): a fresh interpreter is the
-only place where the patterns have not been built yet.
-
-The suite runs inside the scope (test/conftest.py), so what torch does outside
-it is checked in a fresh interpreter.
+Checked through `lowering_speedups()`, the scope `etfold report` enters (torch's
+speedups and XNNPACK's patterns built on demand): a fresh interpreter is the only
+place where the patterns have not been built yet. The suite itself runs without
+the speed-ups (test/conftest.py); each test here turns them on explicitly.
 """
 
 import copy
-import functools
 import subprocess
 import sys
 import textwrap
@@ -24,19 +22,10 @@ import pytest
 import torch
 from torch.fx import traceback as fx_traceback
 
-from etfold.exir.program.composite_op_overrides import (
-    one_override_write_per_composite_op,
-    torchs_override,
-)
 from etfold.exir.program.lazy_graph_modules import code_on_first_use_for_graph_modules
-from etfold.exir.program.preservable_op_checks import (
-    fixed_preservability_checked_once,
-    torchs_check,
-)
 from etfold.exir.program.py_kernel_closures import one_py_kernel_closure_per_key
-from etfold.exir.program.reentrant_patch import ReentrantPatch
+from etfold.exir.program.reentrant_patch import PatchUnavailable, ReentrantPatch, Replacement
 from etfold.exir.program.shared_provenance import shared_provenance_chains
-from etfold.harness.inspection import every_op_overload
 
 
 def _chain(length: int) -> list:
@@ -86,80 +75,18 @@ class ConvTanh(torch.nn.Module):
         return torch.tanh(self.conv(x)) * 0.5
 
 
-def _kernels_of(ops) -> dict:
-    """Each op's kernel table and fake-rule registration, with kernels made per call described."""
-    from torch._higher_order_ops.utils import autograd_not_implemented
-    from torch._subclasses.fake_impls import op_implementations_dict
-
-    refuser = autograd_not_implemented(torch.ops.aten.relu.default, deferred_error=True)
-
-    def described(kernel):
-        if isinstance(kernel, functools.partial):
-            function = getattr(kernel.func, "__code__", kernel.func)  # torch makes one per call
-            return ("partial", function, tuple(kernel.args), tuple(kernel.keywords.items()))
-        if getattr(kernel, "__code__", None) is refuser.__code__:
-            return ("refuses autograd", kernel.__closure__[1].cell_contents)
-        return kernel
-
-    return {
-        op: (
-            [(key, described(k)) for key, k in op.py_kernels.items()],
-            op in op_implementations_dict,
-        )
-        for op in ops
-    }
+def _torchs_classes(classes) -> bool:
+    return all(cls.__module__.split(".")[0] in ("torch", "builtins") for cls in classes)
 
 
-def test_composite_op_overrides_leave_every_kernel_and_fake_rule_as_torchs_and_restore_them():
-    """Inside the override and after it, torch's and the scope's leave the same state (torch's
-    exit also drops fake rules registered before it: the scope does as torch does)."""
-    from executorch.exir.tracer import _default_decomposition_table
-    from torch.export import exported_program
-
-    for table in ({}, _default_decomposition_table()):
-        overrides, _ = exported_program._split_decomp_table_to_cia_and_python_decomp(dict(table))
-        with torchs_override()(overrides):
-            torchs = _kernels_of(overrides)
-        torchs_after = _kernels_of(overrides)
-        # the override is looked up once the scope is entered
-        with (
-            one_override_write_per_composite_op(),
-            exported_program._override_composite_implicit_decomp(overrides),
-        ):
-            ours = _kernels_of(overrides)
-        assert len(ours) > 400 and ours == torchs
-        assert _kernels_of(overrides) == torchs_after
+def _only_torchs(module: torch.nn.Module) -> bool:
+    return _torchs_classes(type(module).__mro__)
 
 
-def test_preservability_is_torchs_for_every_op_and_follows_kernel_registrations():
-    """Every op judged as torch judges it; an op whose kernels are dropped while the scope is
-    open (its library destroyed) is judged again, not from what was cached."""
-    from torch._export import utils as export_utils
-
-    outside = export_utils._check_valid_to_preserve
-    library = torch.library.Library("etfold_preserve_probe", "DEF")
-    library.define("scaled(Tensor x) -> Tensor")
-    library.impl("scaled", lambda x: 2 * x, "CompositeImplicitAutograd")
-    probe = torch.ops.etfold_preserve_probe.scaled.default
-    try:
-        with fixed_preservability_checked_once():
-            ours = export_utils._check_valid_to_preserve
-            assert ours is not torchs_check()
-            verdicts = [(op, ours(op), torchs_check()(op)) for op in every_op_overload()]
-            registered = ours(probe), torchs_check()(probe)
-            library._destroy()
-            dropped = ours(probe), torchs_check()(probe)
-        assert export_utils._check_valid_to_preserve is outside
-    finally:
-        library._destroy()
-    assert len(verdicts) > 1000 and all(a == b for _, a, b in verdicts)
-    assert {a for _, a, _ in verdicts} == {True, False}
-    assert registered == (True, True) and dropped == (False, False)
-
-
-def test_a_lowerings_graph_module_writes_torchs_code_when_first_used_and_others_are_torchs():
+def test_a_lowerings_graph_modules_are_lazy_inside_and_torchs_own_once_the_scope_exits():
     from executorch.exir.pass_base import ExportPass
     from torch.fx._lazy_graph_module import _LazyGraphModule
+    from torch.fx.graph import PythonCode
 
     torch.manual_seed(0)
     x = torch.randn(1, 3, 6, 6)
@@ -167,14 +94,17 @@ def test_a_lowerings_graph_module_writes_torchs_code_when_first_used_and_others_
         program = torch.export.export(ConvTanh().eval(), (x,)).run_decompositions()
         built_by_a_pass = ExportPass()(program.graph_module).graph_module
         built_here = torch.fx.GraphModule(program.graph_module, copy.deepcopy(program.graph))
-        copied, unlifted = copy.deepcopy(built_here), program.module()
-    lazy = (program.graph_module, built_by_a_pass)
-    assert all(isinstance(m, _LazyGraphModule) and m._needs_recompile() for m in lazy)
-    assert not any(isinstance(m, _LazyGraphModule) for m in (built_here, copied, unlifted))
+        lazy_copy = copy.deepcopy(built_by_a_pass)
+        lazy = (program.graph_module, built_by_a_pass, lazy_copy)
+        assert all(isinstance(m, _LazyGraphModule) and m._needs_recompile() for m in lazy)
+        assert not isinstance(built_here, _LazyGraphModule)
+    every = (*lazy, built_here, program.module())
+    assert all(_only_torchs(m) for m in every)
+    assert all(isinstance(m.recompile(), PythonCode) for m in every)
     assert program.graph_module.code == built_here.code
     weights = [program.state_dict[name] for name in program.graph_signature.parameters]
     for module in (*lazy, built_here):
-        assert torch.equal(module(*weights, x)[0], unlifted(x))
+        assert torch.equal(module(*weights, x)[0], program.module()(x))
 
 
 def test_a_lazy_graph_modules_pytree_specs_follow_each_recompile_before_any_code():
@@ -185,29 +115,73 @@ def test_a_lazy_graph_modules_pytree_specs_follow_each_recompile_before_any_code
     unlifted = torch.export.export(ConvTanh().eval(), (torch.randn(1, 3, 6, 6),)).module()
     with code_on_first_use_for_graph_modules():
         module = _create_graph_module_for_export(unlifted, copy.deepcopy(unlifted.graph))
-    assert module._needs_recompile()
-    assert (module._in_spec, module._out_spec) == (unlifted._in_spec, unlifted._out_spec)
-    info = module.graph._codegen.pytree_info
-    wrapped = pytree.treespec_tuple([info.out_spec])
-    module.graph._codegen = _PyTreeCodeGen(_PyTreeInfo(info.orig_args, info.in_spec, wrapped))
-    module.recompile()
-    assert module._needs_recompile() and module._out_spec == wrapped
+        assert module._needs_recompile()
+        assert (module._in_spec, module._out_spec) == (unlifted._in_spec, unlifted._out_spec)
+        info = module.graph._codegen.pytree_info
+        wrapped = pytree.treespec_tuple([info.out_spec])
+        module.graph._codegen = _PyTreeCodeGen(_PyTreeInfo(info.orig_args, info.in_spec, wrapped))
+        module.recompile()
+        assert module._needs_recompile() and module._out_spec == wrapped
+    assert _only_torchs(module) and module._out_spec == wrapped
 
 
-def test_a_reentrant_patch_installs_once_and_undoes_on_the_last_exit():
-    calls = []
-    patch = ReentrantPatch(lambda: calls.append("install"), lambda: calls.append("uninstall"))
+class _Owner:
+    @staticmethod
+    def made(x):
+        return ("upstream", x)
+
+    def named(self):
+        return "upstream"
+
+
+def test_a_reentrant_patch_installs_once_acts_in_its_context_and_undoes_on_the_last_exit():
+    import threading
+
+    patch = ReentrantPatch(
+        "probe",
+        lambda: [
+            Replacement(_Owner, "made", lambda original: lambda x: ("etfold", x)),
+            Replacement(_Owner, "named", lambda original: lambda self: "etfold"),
+        ],
+    )
+    upstream = vars(_Owner)["made"], vars(_Owner)["named"]
+    beside = {}
+
+    def other_thread():
+        beside["seen"] = _Owner.made(1), _Owner().named(), patch.active()
+
     with patch.scope():
         with patch.scope():
-            assert calls == ["install"]
-        assert calls == ["install"]
-    assert calls == ["install", "uninstall"]
-    try:
-        with patch.scope():
-            raise RuntimeError("lowering failed")
-    except RuntimeError:
+            assert vars(_Owner)["made"] is not upstream[0]
+            assert (_Owner.made(1), _Owner().named(), patch.active()) == (
+                ("etfold", 1),
+                "etfold",
+                True,
+            )
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            thread.join()
+        assert patch.original(_Owner, "made") is upstream[0]
+    assert beside["seen"] == (("upstream", 1), "upstream", False)
+    assert (vars(_Owner)["made"], vars(_Owner)["named"]) == upstream
+    with pytest.raises(RuntimeError, match="lowering failed"), patch.scope():
+        raise RuntimeError("lowering failed")
+    assert (vars(_Owner)["made"], vars(_Owner)["named"]) == upstream
+
+
+def test_a_patch_whose_attribute_is_gone_refuses_before_replacing_anything():
+    patch = ReentrantPatch(
+        "probe",
+        lambda: [
+            Replacement(_Owner, "named", lambda original: lambda self: "etfold"),
+            Replacement(_Owner, "gone", lambda original: original),
+        ],
+    )
+    with pytest.raises(PatchUnavailable, match="gone"):
+        patch.check()
+    with pytest.raises(PatchUnavailable), patch.scope():
         pass
-    assert calls == ["install", "uninstall", "install", "uninstall"]
+    assert _Owner().named() == "upstream"
 
 
 _FRESH_INTERPRETER = textwrap.dedent(
@@ -262,11 +236,10 @@ _FRESH_INTERPRETER = textwrap.dedent(
             m._collect_all_valid_cia_ops for m in (export_utils, exported_program, decomp_utils)
         ]
         graph_module_new = torch.fx.GraphModule.__dict__["__new__"]
-        override = exported_program._override_composite_implicit_decomp
-        preservable = export_utils._check_valid_to_preserve
+        lookup = export_utils._materialize_cpp_cia_ops
         xnnpack = [ConvertToSDPAPass.call, ConvertToUpsampleBilinear2d.call, sdpa.get_graphs]
-        xnnpack += [bilinear_2d.get_graphs_dict, XnnpackPartitioner._check_if_called_from_to_backend]
-        torchs = [fx_traceback.copy, OperatorBase.py_impl, graph_module_new, override, preservable]
+        xnnpack += [bilinear_2d.get_graphs_dict]
+        torchs = [fx_traceback.copy, OperatorBase.py_impl, graph_module_new, lookup]
         edge = [edge_verifier._check_tensor_args_matching_op_allowed_dtype]
         return [*torchs, *collectors, *xnnpack, *edge]
 
@@ -276,19 +249,17 @@ _FRESH_INTERPRETER = textwrap.dedent(
         return lower_tosa(copy.deepcopy(program), FP).tosa_graphs
 
     torchs_own = patched()
-    torchs_lookup = export_utils._materialize_cpp_cia_ops
     # upstream's lowering inside the scope first (as the report's stock row): it builds no
     # XNNPACK patterns (the Block has no softmax and no bilinear upsample); the same lowering
     # outside then builds them, and the bytes are the same
-    with lowering_speedups():
-        with lowering_speedups():
+    with lowering_speedups(True):
+        with lowering_speedups(True):
             assert all(a is not b for a, b in zip(patched(), torchs_own))
         ours, our_tosa = lowered(), tosa_graphs()
     assert sdpa.get_graphs.cache_info().misses == 0, "patterns built"
     torchs, torchs_tosa = lowered(), tosa_graphs()
     assert sdpa.get_graphs.cache_info().misses == 1
     assert all(a is b for a, b in zip(patched(), torchs_own)), "torch not restored"
-    assert export_utils._materialize_cpp_cia_ops is torchs_lookup, "torch not restored"
     assert ours[0] == torchs[0], "program bytes differ"
     assert ours[1] == torchs[1], "provenance differs"
     assert our_tosa == torchs_tosa, "TOSA bytes differ"
@@ -304,3 +275,98 @@ def test_lowering_inside_the_speedups_gives_torchs_bytes_and_provenance_and_rest
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def _xnnpack_lowering(program, record=None, **options):
+    """etfold's lowering of `program`; `record(graph_module)` runs as a transform pass."""
+    from executorch.exir.pass_base import PassResult
+
+    from etfold.backends.xnnpack import XnnpackPartitioner
+    from etfold.exir import to_edge_transform_and_lower
+
+    def recording(graph_module):
+        record(graph_module)
+        return PassResult(graph_module, False)
+
+    passes = [recording] if record else None
+    edge = to_edge_transform_and_lower(
+        program, transform_passes=passes, partitioner=[XnnpackPartitioner()], **options
+    )
+    return edge, edge.to_executorch().buffer
+
+
+def _conv_program():
+    torch.manual_seed(0)
+    return torch.export.export(ConvTanh().eval(), (torch.randn(1, 3, 6, 6),))
+
+
+def test_a_make_fx_trace_in_another_thread_while_a_lowering_runs_gets_torchs_own_classes():
+    import threading
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.graph import PythonCode
+
+    traced = {}
+
+    def trace_beside(graph_module):
+        def trace():
+            traced["module"] = make_fx(lambda x: torch.tanh(x) * 2)(torch.randn(3))
+            traced["lowering patched"] = torch.fx.GraphModule.__dict__["__new__"]
+
+        thread = threading.Thread(target=trace)
+        thread.start()
+        thread.join()
+        traced["inside"] = type(graph_module).__mro__
+
+    torchs_new = torch.fx.GraphModule.__dict__["__new__"]
+    edge, _ = _xnnpack_lowering(_conv_program(), trace_beside, speedups=True)
+    module = traced["module"]
+    assert traced["lowering patched"] is not torchs_new  # the trace ran while installed
+    assert _only_torchs(module) and isinstance(module.recompile(), PythonCode)
+    assert "tanh" in module.code
+    assert not _torchs_classes(traced["inside"])  # the lowering's own modules were lazy
+    assert _only_torchs(edge.exported_program().graph_module)
+
+
+def _classes_into(seen: list):
+    """A transform pass's record of the classes of the graph module it is handed."""
+    return lambda graph_module: seen.append(type(graph_module).__mro__)
+
+
+def test_a_patched_attribute_gone_switches_the_speedups_off_with_one_warning(monkeypatch):
+    from torch._export import utils as export_utils
+
+    from etfold.exir.program.speedups import SpeedupsOffWarning
+
+    _, stock = _xnnpack_lowering(_conv_program(), speedups=False)
+    # torch's callers hold their own binding of it: the lowering needs it no more
+    monkeypatch.delattr(export_utils, "_collect_all_valid_cia_ops")
+    builds = []
+    with pytest.warns(SpeedupsOffWarning, match="_collect_all_valid_cia_ops is gone") as caught:
+        _, first = _xnnpack_lowering(_conv_program(), _classes_into(builds), speedups=True)
+        _, second = _xnnpack_lowering(_conv_program(), _classes_into(builds), speedups=True)
+    assert len([w for w in caught if w.category is SpeedupsOffWarning]) == 1
+    assert first == second == stock
+    assert all(_torchs_classes(c) for c in builds)  # nothing was patched
+
+
+def test_untested_versions_switch_the_speedups_off_with_a_warning(monkeypatch):
+    from etfold.exir.program import speedups
+
+    monkeypatch.setitem(speedups.TESTED_VERSIONS, "torch", ("0.0.1",))
+    builds = []
+    with pytest.warns(speedups.SpeedupsOffWarning, match="untested versions: torch"):
+        _xnnpack_lowering(_conv_program(), _classes_into(builds), speedups=True)
+    assert all(_torchs_classes(c) for c in builds)
+
+
+@pytest.mark.parametrize("switch", ["argument", "environment"])
+def test_the_speedups_switch_off_by_argument_or_environment(monkeypatch, switch):
+    monkeypatch.setenv("ETFOLD_SPEEDUPS", "1" if switch == "argument" else "0")
+    options = {"speedups": False} if switch == "argument" else {}
+    builds = []
+    _xnnpack_lowering(_conv_program(), _classes_into(builds), **options)
+    assert builds and all(_torchs_classes(c) for c in builds)
+    monkeypatch.setenv("ETFOLD_SPEEDUPS", "1")
+    _xnnpack_lowering(_conv_program(), _classes_into(builds))
+    assert not _torchs_classes(builds[-1])  # on: lazy inside the lowering
