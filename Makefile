@@ -5,9 +5,11 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed
 CONSTRAINTS := constraints.txt
-# The CPU build of torch pinned in constraints.txt: on this machine it lies in
-# /opt/wheels; elsewhere it comes from PyTorch's CPU index (PyPI's is the CUDA build).
-TORCH_SOURCE := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,--extra-index-url https://download.pytorch.org/whl/cpu)
+# The CPU build of torch pinned in constraints.txt comes from a local wheel directory when
+# TORCH_WHEELS names one that exists (`make test TORCH_WHEELS=~/wheels`), else from
+# PyTorch's CPU index (PyPI's Linux torch is the CUDA build, gigabytes).
+TORCH_WHEELS ?= /opt/wheels
+TORCH_SOURCE := $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS),--extra-index-url https://download.pytorch.org/whl/cpu)
 
 .PHONY: install report test test-long test-wheel lint bench buck fuzz
 
