@@ -52,6 +52,8 @@ from etfold.backends.xnnpack._passes.rewrite_dtype_copies_as_converts_pass impor
     RewriteDtypeCopiesAsConvertsPass,
 )
 from etfold.backends.xnnpack.operators.op_convert import XNNConvertVisitor
+from etfold.backends.xnnpack.operators.op_dynamic_slice import DynamicSliceVisitor
+from etfold.backends.xnnpack.partition.config.dynamic_slice_config import has_dynamic_slices
 from etfold.exir.program.lowering_scopes import register_lowering_scope
 
 DTYPE_CONVERTS_SPEC = CompileSpec("etfold.dtype_converts", b"1")
@@ -93,7 +95,11 @@ def _wants_dtype_converts(compile_specs) -> bool:
 
 def is_marked(compile_specs) -> bool:
     """The partition carries a spec that etfold's preprocess wrapper acts on."""
-    return _wants_dtype_converts(compile_specs) or has_layout_guard(compile_specs)
+    return (
+        _wants_dtype_converts(compile_specs)
+        or has_layout_guard(compile_specs)
+        or has_dynamic_slices(compile_specs)
+    )
 
 
 def _marked_preprocess(edge_program, compile_specs):
@@ -142,6 +148,10 @@ def check_upstream_shape() -> None:
             f"upstream now registers {owner.__name__} for {XNNConvertVisitor.target}; "
             "etfold's XNNConvertVisitor would replace it"
         )
+    if not issubclass(DynamicSliceVisitor, registry.get(DynamicSliceVisitor.target, object)):
+        raise UpstreamShapeError(
+            "upstream's slice visitor is not the one DynamicSliceVisitor extends"
+        )
     if not hasattr(xnnpack_graph_schema, "XNNConvert"):
         raise UpstreamShapeError("the XNNPACK schema has no XNNConvert node")
     layout_sensitive = (
@@ -160,8 +170,11 @@ def _preprocess_is_wrapped() -> bool:
 
 
 def is_installed() -> bool:
+    registry = _registry()
     return (
-        _preprocess_is_wrapped() and _registry().get(XNNConvertVisitor.target) is XNNConvertVisitor
+        _preprocess_is_wrapped()
+        and registry.get(XNNConvertVisitor.target) is XNNConvertVisitor
+        and registry.get(DynamicSliceVisitor.target) is DynamicSliceVisitor
     )
 
 
@@ -176,6 +189,10 @@ def install() -> None:
         _marked_preprocess.upstream = original.__func__
         XnnpackBackend.preprocess = staticmethod(_marked_preprocess)
     node_visitor.register_node_visitor(XNNConvertVisitor)
+    # a static slice is serialized as upstream's visitor does; a dynamic one resizes
+    if _registry()[DynamicSliceVisitor.target] is not DynamicSliceVisitor:
+        _upstream["slice_visitor"] = _registry()[DynamicSliceVisitor.target]
+        node_visitor.register_node_visitor(DynamicSliceVisitor)
 
 
 def uninstall() -> None:
@@ -185,6 +202,8 @@ def uninstall() -> None:
     registry = _registry()
     if registry.get(XNNConvertVisitor.target) is XNNConvertVisitor:
         del registry[XNNConvertVisitor.target]
+    if "slice_visitor" in _upstream:
+        registry[DynamicSliceVisitor.target] = _upstream.pop("slice_visitor")
 
 
 def acquire(count: int = 1) -> None:

@@ -17,9 +17,14 @@ the same shape. ExecuTorch's XNNPACK partitioner has no config for
 pair, a chunked rotary half) stays on portable kernels and cuts the delegate
 in two; upstream delegates a static `slice_copy` with stride 1.
 
+On a dynamic export the pieces keep the symbolic dims whole (a fused QKV split
+along its static last dim of a `[1, T, 3D]` activation): those slices resize at
+runtime (`dynamic_slices`), so the split is rewritten as in a static export.
+
 Declines where the slices would not all join a delegate: a split whose pieces
-are used as a list (not each by index), a dynamic or empty piece, a dtype
-XNNPACK does not compile here, a quantized input, or a rank beyond XNNPACK's.
+are used as a list (not each by index), a split along a symbolic dim (its bounds
+change with the input) or an empty piece, a dtype XNNPACK does not compile here,
+a quantized input, or a rank beyond XNNPACK's.
 
 Runs on the ATen program, before decomposition.
 """
@@ -40,9 +45,11 @@ from etfold.backends.xnnpack._passes.delegated_floats import (
     not_quantized,
     rank_held,
 )
+from etfold.backends.xnnpack._passes.dynamic_slices import slice_resizes_at_runtime
 from etfold.decisions import Declined, first_declined, record_applied
+from etfold.exir.passes.graph_walk import describe_axes
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import rank_of, static_shape_of_value
+from etfold.exir.passes.node_shapes import rank_of
 
 FOLD = "xnnpack.split_as_slices"
 
@@ -73,17 +80,26 @@ def _pieces_by_index(node: torch.fx.Node) -> Declined | None:
     return None
 
 
-def _static_piece_sizes(node: torch.fx.Node) -> list[int] | Declined:
-    pieces = node.meta.get("val")
+def _piece_sizes(node: torch.fx.Node, dim: int) -> list[int] | Declined:
+    """Each piece's size along `dim`, when every piece is a slice XNNPACK runs: static
+    along `dim`, its symbolic dims (a dynamic export) kept whole and resized at runtime."""
+    pieces, source = node.meta.get("val"), node.args[0].meta["val"]
     if not isinstance(pieces, (list, tuple)) or not pieces:
         return Declined("no metadata on the split's pieces")
-    shapes = [static_shape_of_value(piece) for piece in pieces]
-    if any(shape is None for shape in shapes):
-        return Declined("dynamic shape: the slice bounds are not known when lowering")
-    dim = _dim(node, len(shapes[0]))
-    sizes = [shape[dim] for shape in shapes]
-    if 0 in sizes or 0 in shapes[0]:
+    if not all(isinstance(piece, torch.Tensor) for piece in pieces):
+        return Declined("no metadata on the split's pieces")
+    sizes = [piece.shape[dim] for piece in pieces]
+    if not all(type(size) is int for size in sizes):
+        return Declined(
+            f"dynamic shape: splits {describe_axes(source, [dim])}; the slice bounds change "
+            "with the input"
+        )
+    if 0 in sizes or any(type(s) is int and s == 0 for s in source.shape):
         return Declined(f"an empty piece (sizes {sizes}): XNNPACK takes no empty tensors")
+    for piece, (start, end) in zip(pieces, piece_bounds(sizes), strict=True):
+        declined = slice_resizes_at_runtime(source, piece, dim, start, end)
+        if declined is not None:
+            return declined
     return sizes
 
 
@@ -105,7 +121,7 @@ def match_split_as_slices(
     )
     if declined is not None:
         return declined
-    sizes = _static_piece_sizes(node)
+    sizes = _piece_sizes(node, _dim(node, rank))
     if isinstance(sizes, Declined):
         return sizes
     return SplitAsSlices(node, _dim(node, rank), piece_bounds(sizes))

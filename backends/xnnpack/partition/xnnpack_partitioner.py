@@ -67,6 +67,10 @@ from etfold.backends.xnnpack.partition.bf16_delegation import (
     bf16_settings,
 )
 from etfold.backends.xnnpack.partition.config.convert_config import with_dtype_convert_configs
+from etfold.backends.xnnpack.partition.config.dynamic_slice_config import (
+    mark_dynamic_slice_partitions,
+    with_dynamic_slice_config,
+)
 from etfold.backends.xnnpack.partition.constant_layout_conflicts import find_layout_conflicts
 from etfold.backends.xnnpack.partition.shape_op_partitions import settle_shape_op_views
 from etfold.backends.xnnpack.partition.weight_fold import fold_gemm_weights
@@ -102,6 +106,7 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         delegate_dtype_converts: bool = True,
         **kwargs,
     ):
+        configs = with_dynamic_slice_config(list(configs or ALL_PARTITIONER_CONFIGS))
         if delegate_dtype_converts:
             configs = self._dtype_convert_configs(configs)
         super().__init__(configs, config_precisions, per_op_mode, verbose, **kwargs)
@@ -251,6 +256,7 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
             result = settle_shape_op_views(super().partition(exported_program))
         if self.delegate_dtype_converts:
             result = self._mark_convert_partitions(result)
+        result = mark_dynamic_slice_partitions(result)
         return self._held_until_preprocessed(self._mark_layout_guard_partitions(result))
 
     @staticmethod

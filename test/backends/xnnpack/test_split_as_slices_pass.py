@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.backends.xnnpack._passes.split_as_slices_pass import FOLD, splits_as_slices
 from etfold.decisions import collect_decisions
 from etfold.exir import to_edge_transform_and_lower
+from etfold.harness.dynamic_shapes import lower_dynamic
 from etfold.harness.xnnpack_runner import lower_module_xnnpack
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -105,16 +107,52 @@ def test_an_integer_split_stays_with_its_reason():
     assert torch.equal(program.run(x)[0], expected[0])
 
 
-def test_a_split_of_a_dynamic_dim_stays_and_the_program_comes_back_as_it_was():
-    batch = torch.export.Dim("batch", min=2, max=8)
-    program = torch.export.export(
-        Pieces(sizes=(2, 2), dim=-1), (torch.randn(2, 4),), dynamic_shapes=({0: batch},)
+@functools.cache
+def _lowered_dynamic():
+    """Pieces on [2, T, 16], T dynamic: the slices along the static last dim keep T whole."""
+    tokens = torch.export.Dim("tokens", min=2, max=24)
+    module = Pieces().eval()
+    example = (torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0)),)
+    program, decisions = lower_dynamic(
+        module, example, ({1: tokens},), [XnnpackPartitioner()], lower=to_edge_transform_and_lower
     )
+    return module, program, [d for d in decisions if d.fold == FOLD]
+
+
+def test_a_dynamic_export_decides_as_the_static_one():
+    """The same decisions as the static export of the same module; one delegate, nothing out."""
+    _, program, decisions = _lowered_dynamic()
+    _, _, static_decisions, _ = _lowered(torch.float32, False)
+    assert [(d.applied, d.detail) for d in decisions] == [
+        (d.applied, d.detail) for d in static_decisions
+    ]
+    assert program.delegates() == 1 and not program.ops_outside()
+
+
+@pytest.mark.parametrize("tokens", [2, 11, 24], ids=["min", "between", "max"])
+def test_dynamic_slices_resize_on_the_runtime_bit_for_bit(tokens):
+    module, program, _ = _lowered_dynamic()
+    x = torch.randn(2, tokens, 16)
+    (actual,) = program.run(x)
+    assert torch.equal(actual, module(x))
+
+
+def test_a_split_along_the_dynamic_dim_stays_and_the_program_comes_back_as_it_was():
+    class Halves(torch.nn.Module):
+        def forward(self, x):
+            first, second = (x * x).chunk(2, 0)
+            return first + second
+
+    rows = torch.export.Dim("rows", min=3, max=8)
+    program = torch.export.export(Halves(), (torch.randn(6, 4),), dynamic_shapes=({0: 2 * rows},))
     with collect_decisions() as decisions:
         assert splits_as_slices(program, bf16=False) is program
-    assert [(d.applied, d.detail) for d in decisions if d.fold == FOLD][:1] == [
-        (False, "dynamic shape: the slice bounds are not known when lowering")
-    ]
+    (reason,) = [d.detail for d in decisions if d.fold == FOLD]
+    assert re.fullmatch(
+        r"dynamic shape: splits dim 0 \(2\*s\d+ in 6\.\.16\); the slice bounds change "
+        r"with the input",
+        reason,
+    )
 
 
 @settings(max_examples=3)
