@@ -40,6 +40,12 @@ Third-party warnings and runtime messages are hidden unless --verbose;
 skipped with a line naming the extra that installs them.
 """
 
+_LOWER_EPILOG = """\
+exit status: 0 the .pte was written; 1 the lowering failed (one line names the
+error); 2 a bad argument or input file (one line on stderr). --debug adds the
+traceback. The summary goes to stdout, warnings to stderr.
+"""
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage block) and the documented exit code."""
@@ -97,7 +103,7 @@ def _lower_parser(commands) -> None:
     low = commands.add_parser(
         "lower",
         help="write etfold's .pte for a saved ExportedProgram, with a summary of what folded",
-        epilog=_EPILOG,
+        epilog=_LOWER_EPILOG,
     )
     low.add_argument("program", metavar="PROGRAM.pt2", help="torch.export.save(program, path)")
     low.add_argument(
