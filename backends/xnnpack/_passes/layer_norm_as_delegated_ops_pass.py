@@ -7,7 +7,7 @@
 """Write a layer norm over the last dim as the elementwise ops and means XNNPACK delegates.
 
 Given:   y = layer_norm(x, [C], w, b, eps)         (or native_layer_norm(...)[0])
-                                                   x: [s0, ..., C], static, float32
+                                                   x: [s0, ..., C], float32
 Result:  m = mean.dim(x, [-1], keepdim=True)
          d = x - m
          v = mean.dim(d * d, [-1], keepdim=True)
@@ -19,7 +19,9 @@ partitioner has no layer norm config, so every transformer block's norms stay
 on portable kernels and cut the delegate around them; upstream delegates each
 op above. The means have the form `mean_over_last_dim_as_pooling_pass` then
 writes as XNNPACK's 4-D pooling, so this pass runs before it and declines what
-that pass would decline (rank, empty, dynamic shape). An input that is not
+that pass would decline (rank, a size that may be 0, a view that would leave the
+runtime two symbolic sizes to infer). Symbolic sizes are otherwise taken: the
+elementwise ops broadcast at runtime. An input that is not
 contiguous (a norm over the channels of a conv's output, read through a
 transpose) is first copied contiguous with `clone`: the same values, and once
 the transpose is an Edge `permute_copy` the clone keeps its dim order, which
@@ -60,8 +62,9 @@ from etfold.backends.xnnpack._passes.delegated_floats import (
     not_quantized,
 )
 from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
+    nonempty_for_every_size,
+    pooling_views,
     rank_fits,
-    static_nonempty_shape,
     viewable,
 )
 from etfold.decisions import Declined, first_declined, record_applied
@@ -133,6 +136,11 @@ def affine_in_input_dtype(node: torch.fx.Node, dtype: torch.dtype) -> Declined |
     return None
 
 
+def _views_written(views: tuple | Declined) -> Declined | None:
+    """The mean pass must write both views of each rewritten mean, or this declines."""
+    return views if isinstance(views, Declined) else None
+
+
 def match_layer_norm(
     node: torch.fx.Node, dtypes: Collection[torch.dtype]
 ) -> LayerNormOverLastDim | Declined | None:
@@ -151,11 +159,11 @@ def match_layer_norm(
         lambda: dtype_taken(value, dtypes, "layer norm"),
         lambda: affine_in_input_dtype(node, value.dtype),
         lambda: rank_fits(rank, keepdim=True),
+        lambda: nonempty_for_every_size(source),
+        lambda: _views_written(pooling_views(value, keepdim=True)),
     )
     if declined is not None:
         return declined
-    if isinstance(shape := static_nonempty_shape(source), Declined):
-        return shape
     eps = _argument(node, 4, 1e-5)
     copied = viewable(source) is not None
     return LayerNormOverLastDim(node, source, _argument(node, 2), _argument(node, 3), eps, copied)

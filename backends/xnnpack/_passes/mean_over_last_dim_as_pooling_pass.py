@@ -6,7 +6,7 @@
 
 """Write a mean over the last dim as the 4-D mean XNNPACK takes (global average pooling).
 
-Given:   y = mean.dim(x, [r - 1], keepdim)          x: [s0, ..., s(r-2), C], static
+Given:   y = mean.dim(x, [r - 1], keepdim)          x: [s0, ..., s(r-2), C]
 Result:  p = mean.dim(view(x, [N, 1, 1, C]), [-2, -1], keepdim=True)     N = s0 * ... * s(r-2)
          y = view(p, [s0, ..., s(r-2), 1] if keepdim else [s0, ..., s(r-2)])
 
@@ -17,6 +17,13 @@ view back gives `y`'s own shape. RMSNorm's `x.pow(2).mean(-1, keepdim=True)` is
 this op; upstream's MeanDimConfig takes only 4-D inputs reduced over the last
 two dims with keepdim, so it leaves every RMSNorm's mean on portable kernels and
 splits each decoder layer around it. Upstream delegates a static `view_copy`.
+
+Symbolic sizes (a `torch.export.Dim` sequence): XNNPACK's static reshape takes
+integer sizes and infers at most one of them at runtime (-1). So each view
+writes its one symbolic size as -1: N when a leading dim is symbolic (C then
+must be static), the output's one symbolic dim on the way back. A second
+symbolic size in either view is declined, naming the dims; so is a dim whose
+bounds admit 0 (XNNPACK takes no empty tensors).
 
 With `N` first and one channel, the NCHW -> NHWC transposes XNNPACK's layout
 pass puts around the pooling move no data (a [N, 1, 1, C] tensor has the same
@@ -42,8 +49,14 @@ from etfold.backends.xnnpack._passes.delegated_floats import (
     dtype_taken,
 )
 from etfold.decisions import Declined, first_declined, record_applied
+from etfold.exir.passes.graph_walk import (
+    describe_axes,
+    known_contiguous,
+    size_bounds,
+    symbolic_axes,
+)
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import rank_of, static_shape
+from etfold.exir.passes.node_shapes import rank_of
 
 FOLD = "xnnpack.mean_over_last_dim_as_pooling"
 
@@ -53,8 +66,8 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class MeanOverLastDim:
     node: torch.fx.Node
-    rows: int  # N: the product of every size but the last
-    width: int  # C: the size of the last dim
+    flat_shape: tuple[int, ...]  # [N, 1, 1, C], the one symbolic size as -1
+    back_shape: tuple[int, ...]  # the mean's own shape, its one symbolic size as -1
 
 
 def _dims_and_keepdim(node: torch.fx.Node) -> tuple[object, bool]:
@@ -94,28 +107,49 @@ def rank_fits(rank: int, keepdim: bool) -> Declined | None:
     return None
 
 
-def static_nonempty_shape(source: torch.fx.Node) -> tuple[int, ...] | Declined:
-    shape = static_shape(source)
-    if shape is None:
-        return Declined("dynamic shape: the rows to pool are not known when lowering")
-    if math.prod(shape) == 0:
-        return Declined(f"empty input {list(shape)}: XNNPACK takes no empty tensors")
-    return shape
+def nonempty_for_every_size(source: torch.fx.Node) -> Declined | None:
+    """None when no size of `source` can be 0 within the export's bounds."""
+    value = source.meta["val"]
+    if symbolic_axes(value) == () and math.prod(value.shape) == 0:
+        return Declined(f"empty input {list(value.shape)}: XNNPACK takes no empty tensors")
+    empty = [axis for axis in symbolic_axes(value) if size_bounds(value.shape[axis])[0] < 1]
+    if empty:
+        return Declined(
+            f"dynamic shape: {describe_axes(value, empty)} may be 0: XNNPACK takes no empty tensors"
+        )
+    return None
 
 
 def viewable(source: torch.fx.Node) -> Declined | None:
-    if not source.meta["val"].is_contiguous():
+    if not known_contiguous(source.meta["val"]):
         return Declined("input is not contiguous: the [N, 1, 1, C] view would need a copy")
     return None
 
 
-def poolable_shape(source: torch.fx.Node) -> tuple[int, ...] | Declined:
-    """The shape of a value whose last dim the [N, 1, 1, C] pooling view can reduce, or why not."""
-    shape = static_nonempty_shape(source)
-    if isinstance(shape, Declined):
-        return shape
-    declined = viewable(source)
-    return shape if declined is None else declined
+def _one_inferred(value: torch.Tensor, shape, what: str) -> tuple[int, ...] | Declined:
+    """`shape` with its one symbolic size written -1 (XNNPACK's reshape infers it at
+    runtime); a decline naming `value`'s symbolic dims when there are more."""
+    symbolic = [i for i, size in enumerate(shape) if type(size) is not int]
+    if len(symbolic) > 1:
+        return Declined(
+            f"dynamic shape: {describe_axes(value, symbolic_axes(value))}: {what} would infer "
+            f"{len(symbolic)} sizes; XNNPACK's reshape infers one"
+        )
+    return tuple(-1 if type(size) is not int else size for size in shape)
+
+
+def pooling_views(
+    value: torch.Tensor, keepdim: bool
+) -> tuple[tuple[int, ...], tuple[int, ...]] | Declined:
+    """The [N, 1, 1, C] view of `value` and the view back to its mean's shape, each
+    with at most one size left for the runtime to infer, or why they cannot be written."""
+    shape = tuple(value.shape)
+    rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
+    flat = _one_inferred(value, (rows, 1, 1, shape[-1]), "the [N, 1, 1, C] view")
+    if isinstance(flat, Declined):
+        return flat
+    back = _one_inferred(value, (*shape[:-1], 1) if keepdim else shape[:-1], "the view back")
+    return back if isinstance(back, Declined) else (flat, back)
 
 
 def match_mean_over_last_dim(
@@ -136,30 +170,31 @@ def match_mean_over_last_dim(
         lambda: reduces_last_dim_only(node, rank),
         lambda: has_no_dtype_override(node),
         lambda: dtype_taken(source.meta["val"], dtypes, "mean"),
+        lambda: nonempty_for_every_size(source),
+        lambda: viewable(source),
     )
     if declined is not None:
         return declined
-    shape = poolable_shape(source)
-    if isinstance(shape, Declined):
-        return shape
-    return MeanOverLastDim(node, math.prod(shape[:-1]), shape[-1])
+    views = pooling_views(source.meta["val"], keepdim)
+    return views if isinstance(views, Declined) else MeanOverLastDim(node, *views)
 
 
 def rewrite_as_pooling(match: MeanOverLastDim) -> None:
     """The mean node becomes the 4-D pooling; a view after it gives its users the old shape."""
     node, graph = match.node, match.node.graph
     source, before = node.args[0], node.meta["val"]
-    flat_shape = [match.rows, 1, 1, match.width]
+    flat_shape, back_shape = list(match.flat_shape), list(match.back_shape)
     with graph.inserting_before(node):
         flat = graph.call_function(aten.view.default, (source, flat_shape))
     flat.meta = {**node.meta, "val": source.meta["val"].view(flat_shape)}
     node.args, node.kwargs = (flat, [-2, -1], True), {}
     node.meta["val"] = flat.meta["val"].mean([-2, -1], keepdim=True)
     with graph.inserting_after(node):
-        back = graph.call_function(aten.view.default, (node, list(before.shape)))
+        back = graph.call_function(aten.view.default, (node, back_shape))
     back.meta = {**node.meta, "val": before}
     node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
-    record_applied(FOLD, node.name, f"mean over the last {match.width} values of {match.rows} rows")
+    rows, width = flat.meta["val"].shape[0], flat.meta["val"].shape[-1]
+    record_applied(FOLD, node.name, f"mean over the last {width} values of {rows} rows")
 
 
 def means_over_last_dim_as_pooling(program: ExportedProgram, *, bf16: bool) -> ExportedProgram:

@@ -26,6 +26,12 @@ from etfold.backends.xnnpack._passes.layer_norm_as_delegated_ops_pass import (
 )
 from etfold.decisions import collect_decisions
 from etfold.exir import to_edge_transform_and_lower
+from etfold.harness.dynamic_pairs import (
+    LengthAxis,
+    decisions_apart,
+    dynamic_errors,
+    lower_static_and_dynamic,
+)
 from etfold.harness.xnnpack_runner import assert_close, eager_outputs, lower_module_xnnpack
 
 aten = torch.ops.aten
@@ -222,10 +228,12 @@ def test_declines_when_the_rank_is_beyond_xnnpack():
     assert reason.startswith("rank 7 input")
 
 
-def test_declines_when_the_shape_is_dynamic():
-    rows = torch.export.Dim("rows", min=2, max=64)
-    (reason,) = _declined(FunctionalNorm(), _inputs((4, 8)), dynamic_shapes=({0: rows},))
-    assert reason.startswith("dynamic shape")
+def test_declines_when_two_dims_of_the_views_are_dynamic():
+    rows, cols = torch.export.Dim("rows", min=2, max=64), torch.export.Dim("cols", min=2, max=8)
+    shapes = ({0: rows, 1: cols},)
+    (reason,) = _declined(FunctionalNorm(), _inputs((4, 3, 8)), dynamic_shapes=shapes)
+    assert reason.startswith("dynamic shape: dim 0 (") and ", dim 1 (" in reason
+    assert reason.endswith("the view back would infer 2 sizes; XNNPACK's reshape infers one")
 
 
 def test_declines_when_the_input_is_empty():
@@ -284,3 +292,34 @@ def test_generated_norms_join_the_delegate_and_match_eager(shape, affine, bias):
     assert [d.applied for d in decisions] == [True]
     assert not any(op in program.ops_outside() for op in NORM_OPS)
     assert_close(program.run(*inputs), expected, atol=1e-5, rtol=1e-5)
+
+
+def _audio(length: int) -> tuple[torch.Tensor]:
+    return _inputs((1, 1, length), seed=length)
+
+
+def _sequence(length: int) -> tuple[torch.Tensor]:
+    return _inputs((1, length, 32), seed=length)
+
+
+@pytest.mark.parametrize(
+    ("module", "make_inputs", "axis"),
+    [
+        (NormBetween(), _sequence, LengthAxis(((1,),), 2, 40, 9)),
+        (ChannelNormBetweenConvs(), _audio, LengthAxis(((2,),), 60, 400, 200)),
+    ],
+    ids=["sequence", "audio-through-a-transpose"],
+)
+def test_a_dynamic_length_is_rewritten_as_the_static_one_and_matches_eager_at_the_bounds(
+    module, make_inputs, axis
+):
+    torch.manual_seed(4)
+    pair = lower_static_and_dynamic(module, make_inputs, axis, lambda: [XnnpackPartitioner()])
+    assert decisions_apart(pair, lambda fold: fold == FOLD) == ({}, {})
+    assert [d.applied for d in pair.dynamic.decisions if d.fold == FOLD] == [True]
+    static, dynamic = pair.static.program, pair.dynamic.program
+    assert static.delegates() == dynamic.delegates() == 1
+    assert not static.ops_outside() and not dynamic.ops_outside()
+    errors = dynamic_errors(pair)
+    assert {axis.low, axis.high} <= set(errors) and len(errors) == 4
+    assert max(errors.values()) <= 1e-5, errors

@@ -22,6 +22,12 @@ from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
 )
 from etfold.decisions import collect_decisions
 from etfold.exir import to_edge_transform_and_lower
+from etfold.harness.dynamic_pairs import (
+    LengthAxis,
+    decisions_apart,
+    dynamic_errors,
+    lower_static_and_dynamic,
+)
 from etfold.harness.xnnpack_runner import assert_close, lower_module_xnnpack
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
@@ -110,11 +116,47 @@ def test_declines_when_xnnpack_cannot_compile_its_dtype():
     assert "torch.bfloat16 mean" in reason
 
 
-def test_declines_when_the_shape_is_dynamic():
-    rows = torch.export.Dim("rows", min=2, max=64)
-    inputs = (torch.randn(4, 8),)
-    (reason,) = _declined_by_pass(Mean(), inputs, dynamic_shapes=({0: rows},))
-    assert "dynamic shape" in reason
+def _rows(length: int, width: int = 16) -> tuple[torch.Tensor]:
+    return (torch.randn(1, length, width, generator=torch.Generator().manual_seed(length)),)
+
+
+@pytest.mark.parametrize(
+    ("module", "axis"),
+    [
+        (RMSNorm(), LengthAxis(((1,),), 2, 48, 8)),
+        (Mean(keepdim=False), LengthAxis(((1,),), 3, 9, 5)),
+    ],
+    ids=["rmsnorm-keepdim", "mean-no-keepdim"],
+)
+def test_a_dynamic_length_pools_like_the_static_one_at_every_bound(module, axis):
+    """The [-1, 1, 1, C] view leaves the rows to the runtime: one delegate, static or not."""
+    pair = lower_static_and_dynamic(module, _rows, axis, lambda: [XnnpackPartitioner()])
+    assert decisions_apart(pair, lambda fold: fold == FOLD) == ({}, {})
+    assert [d.applied for d in pair.dynamic.decisions if d.fold == FOLD] == [True]
+    static, dynamic = pair.static.program, pair.dynamic.program
+    assert static.delegates() == dynamic.delegates() == 1
+    assert static.ops_outside() == dynamic.ops_outside()
+    assert "aten.mean.dim" not in dynamic.ops_outside()
+    errors = dynamic_errors(pair)
+    assert set(errors) >= {axis.low, axis.high} and len(errors) == 4
+    assert max(errors.values()) <= 1e-5
+
+
+def test_declines_when_two_dims_of_the_view_back_are_dynamic():
+    rows, cols = torch.export.Dim("rows", min=2, max=8), torch.export.Dim("cols", min=2, max=8)
+    inputs = (torch.randn(3, 4, 6),)
+    (reason,) = _declined_by_pass(Mean(), inputs, dynamic_shapes=({0: rows, 1: cols},))
+    assert reason.startswith("dynamic shape: dim 0 (") and ", dim 1 (" in reason
+    assert reason.endswith(
+        "the view back would infer 2 sizes; XNNPACK's reshape infers one"
+    )
+
+
+def test_declines_when_the_width_and_a_row_dim_are_both_dynamic():
+    rows, width = torch.export.Dim("rows", min=2, max=8), torch.export.Dim("width", min=2, max=8)
+    inputs = (torch.randn(3, 6),)
+    (reason,) = _declined_by_pass(Mean(), inputs, dynamic_shapes=({0: rows, 1: width},))
+    assert "would infer 2 sizes" in reason and "dim 1 (" in reason
 
 
 def test_declines_when_the_input_is_empty():
