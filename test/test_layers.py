@@ -63,6 +63,7 @@ LAYERS = (
             "etfold.exir",
             "etfold.backends",
             "etfold.backends.xnnpack.partition.xnnpack_partitioner",
+            "etfold.backends.xnnpack.partition.dynamically_quantized",
             "etfold.backends.xnnpack.install",
             "etfold.backends.arm.registration",
         ),

@@ -11,6 +11,13 @@ Upstream builds its dynamically quantized partitioner as its XnnpackPartitioner 
 the same way, so it takes the same keyword arguments (etfold's `fold_weights` and
 `delegate_dtype_converts` among them) and refuses `config_precisions` as upstream does.
 ExecuTorch's LLM export asks for it first, to take the dynamically quantized linears.
+
+It keeps only the configs that can take a dynamically quantized op (upstream's others
+are disabled by the pinned precision and never match). etfold's exact rewrites run for
+the ops whose config is present, so with the disabled ones present they would rewrite
+norms, splits and expands that no delegate of this partitioner takes, left outside in
+their rewritten form. For the same reason it delegates no dtype converts by default:
+its convert configs are fp32 ones. The weight fold, for the linears it takes, stays on.
 """
 
 from __future__ import annotations
@@ -27,4 +34,10 @@ class XnnpackDynamicallyQuantizedPartitioner(XnnpackPartitioner):
                 "XnnpackDynamicallyQuantizedPartitioner always partitions dynamically quantized"
                 " ops (DYNAMIC_QUANT); it takes no config_precisions argument"
             )
+        kwargs.setdefault("delegate_dtype_converts", False)
         super().__init__(config_precisions=ConfigPrecisionType.DYNAMIC_QUANT, **kwargs)
+        self.target_partitioner_configs = {
+            target: config
+            for target, config in self.target_partitioner_configs.items()
+            if config.enabled_precision_types
+        }
