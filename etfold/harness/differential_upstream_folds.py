@@ -49,16 +49,29 @@ def run_upstream_folds_case(case: UpstreamFoldsCase) -> Outcome:
         outcome = differential_arm(built, family=case.family, profile=FP)
     else:
         outcome = _differential_tosa_int(built, case.family)
-    return _ours_to_guard(outcome)
+    return _ours_to_guard(outcome, case)
 
 
-def _ours_to_guard(outcome: Outcome) -> Outcome:
-    """etfold as wrong as stock is wrong; stock alone crashing is recorded as such."""
+def _ours_to_guard(outcome: Outcome, case: UpstreamFoldsCase) -> Outcome:
+    """etfold as wrong as stock is wrong; stock alone crashing is recorded as such, and
+    stock alone wrong names the case's hazards, for KNOWN_UPSTREAM to match."""
     if outcome.verdict == "upstream_wrong":
         return with_verdict(outcome, "wrong", f"as wrong as stock: {outcome.detail}")
     if outcome.verdict == "ok" and outcome.baseline_failure is not None:
         return with_verdict(outcome, "crash_stock", outcome.baseline_failure)
+    if outcome.verdict == "stock_wrong":
+        return with_verdict(outcome, "stock_wrong", f"{hazards(case)}: {outcome.detail}")
     return outcome
+
+
+def hazards(case: UpstreamFoldsCase) -> str:
+    """What a stock wrong program is wrong on, as KNOWN_UPSTREAM's patterns read it:
+    `stock wrong: <layer> + <chain>, share=<share>, reader=<extra_reader>, <backend>`."""
+    chain = " + ".join(case.chain) or "nothing"
+    return (
+        f"stock wrong: {case.layer} + {chain}, share={case.share},"
+        f" reader={case.extra_reader}, {case.backend}"
+    )
 
 
 def _differential_tosa_int(built, family: str) -> Outcome:

@@ -87,11 +87,26 @@ KNOWN_UPSTREAM: tuple[tuple[str, str], ...] = (
     ),
     (
         r"running the 'Conv1dUnsqueezePass' pass",
-        "XNNPACK: Conv1dUnsqueezePass on a conv1d whose weight another conv1d also reads",
+        "XNNPACK: Conv1dUnsqueezePass on a conv1d whose weight another conv1d also reads (etfold"
+        " lowers shared conv1d weights), or on the two conv1d XNNPACK makes of one BatchNorm1d"
+        " module applied to two rank-2 tensors (etfold crashes the same way: not guarded)",
     ),
     (
         r"marked not to be transformed before annotation",
         "Arm: conv_transpose1d sites are not transformed before annotation",
+    ),
+    # upstream_folds: stock's wrong programs, by the hazards the case names
+    (
+        r"stock wrong: \w+ \+ bn\b.*share=(weight|bias|three|weight_and_bias),",
+        "conv/linear + batch norm, layers sharing a weight or bias: XNNPACK's FuseBatchNormPass,"
+        " Arm's FuseBatchNorm2dPass and torchao's prepare_pt2e fusion give every sharer one"
+        " layer's fused constant; etfold gives each fused layer constants of its own first"
+        " (own_constants_before_batch_norm_fusion) and is right",
+    ),
+    (
+        r"the program has no TOSA delegate",
+        "TOSA FP: a conv_transpose1d whose output nothing else reads is not delegated, so"
+        " nothing runs on the reference model (stock and etfold alike)",
     ),
 )
 
