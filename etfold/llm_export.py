@@ -1,0 +1,106 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""ExecuTorch's LLM export (`export_llama`) lowered with etfold's XNNPACK partitioners.
+
+`executorch.examples.models.llama.export_llama_lib` asks one function for each of its
+XNNPACK partitioners, `get_xnnpack_partitioner(dynamic_quant_only_partitioner,
+enable_bf16)`, looked up by that name in its own module; neither the command line nor
+`LlmConfig` can choose another. Inside `etfold_partitioners()` that name answers with
+etfold's partitioners for the same arguments (`XnnpackDynamicallyQuantizedPartitioner`
+for the quantized linears, `XnnpackPartitioner` for `--xnnpack-extended-ops`), and the
+lowering runs with etfold's speed-ups (same bytes, less work). Only the context that
+entered sees this: another thread exporting meanwhile gets upstream's partitioners, and
+when the last block ends the name is upstream's function again.
+
+    python -m etfold.llm_export --model llama3 -c ckpt.pth -p params.json \\
+        -kv --use_sdpa_with_kv_cache -X --xnnpack-extended-ops
+
+takes export_llama's own arguments (`python -m executorch.examples.models.llama.export_llama`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Iterator, Sequence
+
+from etfold.exir.program.reentrant_patch import PatchUnavailable, ReentrantPatch, Replacement
+
+EXPORT_LLAMA_LIB = "executorch.examples.models.llama.export_llama_lib"
+PARTITIONER_FACTORY = "get_xnnpack_partitioner"
+
+
+def etfold_xnnpack_partitioner(
+    dynamic_quant_only_partitioner: bool = True, enable_bf16: bool = False
+):
+    """etfold's answer to upstream's `get_xnnpack_partitioner`: the same choice of
+    partitioner for the same arguments, made of etfold's classes."""
+    from etfold.backends.xnnpack import XnnpackDynamicallyQuantizedPartitioner, XnnpackPartitioner
+
+    if dynamic_quant_only_partitioner:
+        return XnnpackDynamicallyQuantizedPartitioner(enable_bf16=enable_bf16)
+    return XnnpackPartitioner(enable_bf16=enable_bf16)
+
+
+def _checked_factory(pipeline) -> None:
+    """Refuse, before anything is replaced, an upstream factory that no longer takes the
+    arguments etfold's answers to."""
+    expected = list(inspect.signature(etfold_xnnpack_partitioner).parameters)
+    found = list(inspect.signature(getattr(pipeline, PARTITIONER_FACTORY)).parameters)
+    if found != expected:
+        raise PatchUnavailable(
+            f"{EXPORT_LLAMA_LIB}.{PARTITIONER_FACTORY} takes ({', '.join(found)}); etfold's"
+            f" partitioners were written for ({', '.join(expected)})"
+        )
+
+
+def _replacements() -> list[Replacement]:
+    try:
+        pipeline = importlib.import_module(EXPORT_LLAMA_LIB)
+    except ImportError as error:
+        raise PatchUnavailable(f"ExecuTorch's LLM export does not import: {error}") from None
+    _checked_factory(pipeline)
+    return [Replacement(pipeline, PARTITIONER_FACTORY, lambda _: etfold_xnnpack_partitioner)]
+
+
+PATCH = ReentrantPatch("llm_export_partitioners", _replacements)
+
+
+@contextlib.contextmanager
+def etfold_partitioners() -> Iterator[None]:
+    """While entered, in this context, ExecuTorch's LLM export lowers with etfold's
+    XNNPACK partitioners (and etfold's lowering speed-ups)."""
+    from etfold.harness.lowering_speedups import lowering_speedups
+
+    with PATCH.scope(), lowering_speedups():
+        yield
+
+
+def export_llama(options: Sequence[str] | object) -> str:
+    """`export_llama_lib.export_llama` with etfold's partitioners; returns the .pte path.
+
+    `options` is export_llama's command line as a list of strings, or what upstream's
+    `export_llama` takes (its parsed `argparse.Namespace`, an `LlmConfig`)."""
+    pipeline = importlib.import_module(EXPORT_LLAMA_LIB)
+    if isinstance(options, Sequence) and not isinstance(options, str):
+        options = pipeline.build_args_parser().parse_args(list(options))
+    with etfold_partitioners():
+        return pipeline.export_llama(options)
+
+
+def main() -> None:
+    """Upstream's `export_llama` command on `sys.argv` (its seed, logging and Hydra mode
+    included), lowered with etfold's partitioners."""
+    # imported here: upstream's command module configures logging when imported
+    command = importlib.import_module("executorch.examples.models.llama.export_llama")
+    with etfold_partitioners():
+        command.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""ExecuTorch's LLM export with etfold's partitioners (`etfold.llm_export`).
+
+The scope: inside it, and only in the context that entered it, export_llama's
+partitioner requests get etfold's partitioners; afterwards upstream's function is
+back. The export: a tiny llama3-style model (dim 64, 2 layers, 4 heads / 2 KV
+heads, vocab 256, random Meta-format checkpoint) exported by upstream's
+`export_llama` and by etfold's, each .pte run on the XNNPACK runtime: prefill of 8
+tokens, then one decode step, outputs equal.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+import pytest
+import torch
+from executorch.backends.xnnpack.partition import xnnpack_partitioner as upstream
+
+from etfold.backends.xnnpack import XnnpackDynamicallyQuantizedPartitioner, XnnpackPartitioner
+from etfold.exir.program.reentrant_patch import PatchUnavailable
+from etfold.harness.llama_export import (
+    TINY,
+    export_etfold,
+    export_llama_arguments,
+    export_stock,
+    ops_outside,
+    prefill_then_decode,
+    pte_contents,
+    write_model_files,
+)
+from etfold.llm_export import EXPORT_LLAMA_LIB, PARTITIONER_FACTORY, etfold_partitioners
+
+PROMPT = torch.randint(0, TINY.vocab_size, (1, 8), generator=torch.Generator().manual_seed(3))
+NEXT_TOKEN = 17
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+    return importlib.import_module(EXPORT_LLAMA_LIB)
+
+
+def test_partitioner_requests_get_etfolds_partitioners_inside_the_scope(pipeline):
+    original = vars(pipeline)[PARTITIONER_FACTORY]
+    with etfold_partitioners():
+        dynamic = pipeline.get_xnnpack_partitioner(dynamic_quant_only_partitioner=True)
+        extended = pipeline.get_xnnpack_partitioner(False, enable_bf16=True)
+    assert type(dynamic) is XnnpackDynamicallyQuantizedPartitioner
+    assert type(extended) is XnnpackPartitioner
+    assert extended._user_enable_bf16 is True
+    assert vars(pipeline)[PARTITIONER_FACTORY] is original
+    assert (
+        type(pipeline.get_xnnpack_partitioner(True))
+        is upstream.XnnpackDynamicallyQuantizedPartitioner
+    )
+
+
+def test_another_thread_gets_upstreams_partitioners_meanwhile(pipeline):
+    seen = []
+    with etfold_partitioners():
+        worker = threading.Thread(
+            target=lambda: seen.append(pipeline.get_xnnpack_partitioner(False))
+        )
+        worker.start()
+        worker.join()
+        seen.append(pipeline.get_xnnpack_partitioner(False))
+    assert [type(p) for p in seen] == [upstream.XnnpackPartitioner, XnnpackPartitioner]
+
+
+def test_the_scope_is_undone_when_the_export_raises(pipeline, tmp_path):
+    from etfold.llm_export import export_llama
+
+    original = vars(pipeline)[PARTITIONER_FACTORY]
+    with pytest.raises(FileNotFoundError):
+        export_llama(["--model", "llama3", "-c", str(tmp_path / "missing.pth"), "-X"])
+    assert vars(pipeline)[PARTITIONER_FACTORY] is original
+
+
+def test_declines_a_partitioner_factory_that_takes_other_arguments(pipeline, monkeypatch):
+    def other_factory(dynamic_quant_only_partitioner=True, enable_bf16=False, enable_fp16=False):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(pipeline, PARTITIONER_FACTORY, other_factory)
+    with pytest.raises(PatchUnavailable, match="enable_fp16"), etfold_partitioners():
+        pass
+    assert vars(pipeline)[PARTITIONER_FACTORY] is other_factory
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory):
+    return write_model_files(TINY, tmp_path_factory.mktemp("tiny_llama"))
+
+
+def _exports(model_files, tmp_path, mode: str) -> dict[str, bytes]:
+    params, checkpoint = model_files
+    return {
+        flavour: export(
+            export_llama_arguments(params, checkpoint, mode, tmp_path / f"{flavour}.pte")
+        )
+        for flavour, export in (("stock", export_stock), ("etfold", export_etfold))
+    }
+
+
+# (mode, absolute tolerance on logits of size ~1): fp32 programs differ only in how
+# exact rewrites order their sums; bf16 ones round intermediates in different places
+MODES = [
+    pytest.param("fp32", 1e-4, id="fp32"),
+    pytest.param("8da4w", 1e-4, id="8da4w", marks=pytest.mark.long),
+    pytest.param("bf16", 0.1, id="bf16", marks=pytest.mark.long),
+]
+
+
+@pytest.mark.parametrize("mode,atol", MODES)
+def test_export_llama_with_etfold_runs_like_stock(model_files, tmp_path, mode, atol):
+    programs = _exports(model_files, tmp_path, mode)
+    stock, etfold = (pte_contents(programs[f]) for f in ("stock", "etfold"))
+    assert etfold.delegate_calls <= stock.delegate_calls
+    assert set(ops_outside(etfold)) <= set(ops_outside(stock))
+
+    expected = prefill_then_decode(programs["stock"], PROMPT, NEXT_TOKEN)
+    outputs = prefill_then_decode(programs["etfold"], PROMPT, NEXT_TOKEN)
+    assert [o.shape for o in outputs] == [(1, TINY.vocab_size)] * 2
+    for ours, theirs in zip(outputs, expected, strict=True):
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=atol, rtol=0)
