@@ -15,6 +15,8 @@ Result, by what reads e:
   (b) otherwise:                e -> cat([l, ..., l], i) along each axis i where l has 1 and
                                      S has S_i > 1 (S_i copies), one axis after the other
   (c) S is x's shape:           e -> x
+And  cat([x, x, ..., x], i)  (n times, rotary's `cat((freqs, freqs), -1)`) -> the n copies
+of (b) along axis i: upstream's cat config counts distinct inputs and refuses it.
 
 (a) An expand is a broadcast: element j of e is element j' of l, j' = j with every
 index on an axis of size 1 set to 0. A broadcasting op reads its operands the same
@@ -267,6 +269,62 @@ def rewrite_expand(match: ExpandAsDelegatedOps) -> None:
     record_applied(FOLD, node.name, detail)
 
 
+@dataclass(frozen=True)
+class CatOfOneInput:
+    """`cat([x, x, ...], axis)`: copies of one input, which upstream's cat config refuses
+    (it counts distinct inputs); written as the copies (b) writes."""
+
+    node: torch.fx.Node
+    axis: int
+    copies: int
+
+
+def match_cat_of_one_input(
+    node: torch.fx.Node, dtypes: Collection[torch.dtype]
+) -> CatOfOneInput | Declined | None:
+    """The rewrite of a cat whose inputs are all one node, a reason it stays, or None."""
+    if node.op != "call_function" or node.target is not aten.cat.default:
+        return None
+    tensors = node.args[0]
+    if len(tensors) < 2 or len(set(tensors)) != 1:
+        return None
+    source = tensors[0]
+    if rank_of(source) is None or rank_of(source) == 0:
+        return Declined("no tensor metadata on the concatenated input")
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    value = source.meta["val"]
+    declined = first_declined(
+        lambda: rank_held(value.dim(), "input"),
+        lambda: not_quantized(source, "the copies would each need quantization"),
+        lambda: dtype_taken(value, dtypes, "copy along an axis"),
+        lambda: views_infer_the_rest(value, "the concatenated input"),
+    )
+    return (
+        declined if declined is not None else CatOfOneInput(node, dim % value.dim(), len(tensors))
+    )
+
+
+def rewrite_cat_of_one_input(match: CatOfOneInput) -> None:
+    node = match.node
+    value = _cat_copies(node, node.args[0][0], match.axis, match.copies)
+    node.replace_all_uses_with(value)
+    node.graph.erase_node(node)
+    record_applied(FOLD, node.name, f"one input, {match.copies} copies along axis {match.axis}")
+
+
+def _match_copies(node: torch.fx.Node, dtypes, broadcasting):
+    if node.op == "call_function" and node.target is aten.cat.default:
+        return match_cat_of_one_input(node, dtypes)
+    return match_expand(node, dtypes, broadcasting)
+
+
+def _rewrite_copies(match: ExpandAsDelegatedOps | CatOfOneInput) -> None:
+    if isinstance(match, CatOfOneInput):
+        rewrite_cat_of_one_input(match)
+    else:
+        rewrite_expand(match)
+
+
 def _makes_expands(node: torch.fx.Node) -> bool:
     """A matmul whose decomposition batches an operand with `expand` (both ranks >= 2,
     one >= 3)."""
@@ -287,8 +345,8 @@ def expands_as_delegated_ops(
     when some expand is rewritten. `broadcasting`: the ATen binary ops XNNPACK takes
     here; `bf16`: whether XNNPACK concatenates bf16 here."""
     match = functools.partial(
-        match_expand, dtypes=delegated_floats(bf16), broadcasting=frozenset(broadcasting)
+        _match_copies, dtypes=delegated_floats(bf16), broadcasting=frozenset(broadcasting)
     )
     candidate = decomposed_for(program, decomposition_table, _makes_expands)
-    rewritten = rewrite_matches_on_a_copy(candidate, match, rewrite_expand, FOLD)
+    rewritten = rewrite_matches_on_a_copy(candidate, match, _rewrite_copies, FOLD)
     return program if rewritten is candidate else rewritten

@@ -260,6 +260,33 @@ def test_generated_dynamic_repeats_are_bit_exact_at_the_bounds(rows, n_rep, lead
         assert torch.equal(actual, module(x))
 
 
+class RotaryTable(torch.nn.Module):
+    """HF Llama's rotary table: `cat((freqs, freqs), -1)` of a product over the positions."""
+
+    def forward(self, positions):
+        freqs = positions * 0.5
+        return torch.cat((freqs, freqs), dim=-1) + 1.0
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_cat_of_one_input_is_written_as_copies(dynamic):
+    tokens = torch.export.Dim("tokens", min=2, max=40)
+    dims = ({1: tokens},) if dynamic else None
+    program, decisions = lower_dynamic(
+        RotaryTable(),
+        (torch.randn(1, 7, 16),),
+        dims,
+        [XnnpackPartitioner()],
+        lower=to_edge_transform_and_lower,
+    )
+    assert [d.detail for d in decisions if d.fold == FOLD] == ["one input, 2 copies along axis 2"]
+    assert program.delegates() == 1 and not program.ops_outside()
+    for t in (2, 40) if dynamic else (7,):
+        x = torch.randn(1, t, 16)
+        (actual,) = program.run(x)
+        assert torch.equal(actual, RotaryTable()(x))
+
+
 # ---- declines: the program comes back as it was, the reason recorded
 
 ALL_BROADCASTING = tuple(BROADCASTING_OPS)
@@ -334,6 +361,15 @@ def test_declines_bf16_copies_where_bf16_is_not_enabled():
     assert reasons == [
         "torch.bfloat16 copy along an axis: XNNPACK takes float16/float32 for it here"
     ]
+
+
+def test_declines_an_integer_cat_of_one_input():
+    class Ids(torch.nn.Module):
+        def forward(self, ids):
+            return torch.cat((ids, ids), 0) * 2
+
+    reasons = _declined(Ids(), (torch.arange(4),))
+    assert reasons == ["torch.int64 copy along an axis: XNNPACK takes float16/float32 for it here"]
 
 
 def test_declines_a_returned_no_op():
