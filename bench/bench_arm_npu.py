@@ -7,7 +7,9 @@
 """Arm folds on the NPU: Vela's cycle estimate, stock vs etfold vs unfolded, per target.
 
     .venv/bin/python bench/bench_arm_npu.py [--models NAME ...] [--targets T ...]
-                                            [--rollout-steps N]
+                                            [--quantizer ethos-u|tosa]
+                                            [--calibration-samples N] [--held-out N]
+                                            [--rollout-steps N] [--skip-rollout]
 
 1. Every Arm report model in `etfold.demo_models.arm_npu_blocks` (plus the DyT
    ConvNeXt block), quantized for each Ethos-U target and lowered through
@@ -16,12 +18,20 @@
    Printed per model and target: Vela's total cycles, NPU cycles, the TOSA MUL
    and total operator counts Vela was handed, and the ratios etfold/stock and
    etfold/unfolded. Vela's estimate is deterministic: no repeats, no spread.
+   The models: the report models, `conv_scale_net` as its issue gave it and with
+   three seeds of random per-channel scales, and ExecuTorch's own MLPerf Tiny
+   models, summed into one TinyML row per target. Then, per model and target,
+   Vela's per-layer cycles stock vs etfold where they differ (layers matched in
+   schedule order by operator), so a regression names its layer.
+   `--quantizer tosa` quantizes with TOSAQuantizer (a TOSA spec: the NPU is not
+   named until lowering) instead of EthosUQuantizer; folds made before
+   calibration then cannot ask which NPU the program is for.
    Then the precision of the same three quantized programs: each is also lowered
    to TOSA INT with the target's fold decisions and run on the TOSA reference
    model; max and mean |output - fp32 eager| in output LSB over held-out inputs.
    A `!` marks etfold worse than unfolded by more than 0.5 LSB max or 0.05 mean.
-   Every lowering here calibrates on 16 fresh samples of the example inputs'
-   distribution: with the catalogue's 4, held-out inputs leave calibrated
+   Every lowering here calibrates on the example inputs and 16 fresh samples
+   of their distribution (`--calibration-samples`): with the catalogue's 4, held-out inputs leave calibrated
    ranges and the max error measures where a tensor clips (bn_free_conv_net:
    9.6 LSB unfolded, 3.8 with 16), not how a fold rounds.
 2. Carried state: the GRU-like cell rolled for N steps (default 1,000) on the
@@ -37,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import difflib
 import logging
 import warnings
 
@@ -52,9 +63,16 @@ from etfold.harness.tosa_runner import (
     lower_module_tosa,
     lower_tosa,
     output_scales,
+    quantize_for_tosa,
     run_carried,
 )
-from etfold.harness.vela import TARGETS, ethos_u_compile_spec, lower_ethos_u, quantize_for_ethos_u
+from etfold.harness.vela import (
+    TARGETS,
+    VelaLayer,
+    ethos_u_compile_spec,
+    lower_ethos_u,
+    quantize_for_ethos_u,
+)
 
 FLAVOURS = {
     "unfolded": upstream_folds_retired,
@@ -69,9 +87,26 @@ DEFAULT_MODELS = (
     "scaled_conv_forms",
     "convnext_atto_layerscale",
     "gru_conv_cell",
+    "conv_scale_net",
+    "conv_scale_net_scales_seed1",
+    "conv_scale_net_scales_seed2",
+    "conv_scale_net_scales_seed3",
 )
-HELD_OUT_INPUTS = 4
-CALIBRATION_SAMPLES = 16
+TINYML_MODELS = (
+    "mlperf_tiny_ds_cnn",
+    "mlperf_tiny_mobilenet_v1_025",
+    "mlperf_tiny_resnet8",
+    "mlperf_tiny_deep_autoencoder",
+)
+QUANTIZERS = {
+    "ethos-u": lambda module, inputs, target, calibration: quantize_for_ethos_u(
+        module, inputs, target, calibration=calibration
+    ),
+    "tosa": lambda module, inputs, target, calibration: quantize_for_tosa(
+        module, inputs, calibration=calibration
+    ),
+}
+settings = {"quantizer": "ethos-u", "calibration": 16, "held_out": 4}
 # etfold may be no less precise than the unfolded lowering, within these (LSB)
 MAX_ERROR_SLACK, MEAN_ERROR_SLACK = 0.5, 0.05
 
@@ -92,14 +127,13 @@ def measure(model, target: str) -> dict[str, tuple]:
 
 def _measure(model, target: str) -> dict[str, tuple]:
     module, inputs = model.build()
-    calibration = _samples_like(inputs, CALIBRATION_SAMPLES, seed=2)
-    held_out = _samples_like(inputs, HELD_OUT_INPUTS, seed=7)
+    calibration = _samples_like(inputs, settings["calibration"], seed=2)
+    held_out = _samples_like(inputs, settings["held_out"], seed=7)
+    quantize = QUANTIZERS[settings["quantizer"]]
     results = {}
     for flavour, context in FLAVOURS.items():
         with context(), collect_decisions() as decisions:
-            quantized = quantize_for_ethos_u(
-                copy.deepcopy(module), inputs, target, calibration=calibration
-            )
+            quantized = quantize(copy.deepcopy(module), inputs, target, calibration)
             program = lower_ethos_u(quantized, target)
             with lowering_for(ethos_u_compile_spec(target)):
                 reference = lower_tosa(copy.deepcopy(quantized), INT)
@@ -157,8 +191,65 @@ def print_error_row(name: str, target: str, results: dict[str, tuple]) -> None:
     print(f"{name:<27} {target:<14}{cells} {'!' if worse else ''}")
 
 
+def layer_diff(stock: tuple[VelaLayer, ...], etfold: tuple[VelaLayer, ...]) -> list[str]:
+    """Vela's per-layer cycles where stock and etfold differ: layers matched in schedule
+    order by operator (Vela's names differ between lowerings), unmatched ones listed alone."""
+    matcher = difflib.SequenceMatcher(None, _kinds(stock), _kinds(etfold), autojunk=False)
+    lines = []
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        pairs = zip(stock[i1:i2], etfold[j1:j2], strict=True) if tag == "equal" else ()
+        for index, (a, b) in enumerate(pairs, start=i1):
+            if a.cycles != b.cycles:
+                lines.append(_layer_line(index, a, a.cycles, b.cycles, f"{a.name} / {b.name}"))
+        if tag != "equal":
+            lines += [
+                _layer_line(i, a, a.cycles, 0, a.name) for i, a in enumerate(stock[i1:i2], i1)
+            ]
+            lines += [
+                _layer_line(j, b, 0, b.cycles, b.name) for j, b in enumerate(etfold[j1:j2], j1)
+            ]
+    return lines
+
+
+def _kinds(layers: tuple[VelaLayer, ...]) -> list[tuple[str, str]]:
+    return [(layer.operator, layer.npu_operator) for layer in layers]
+
+
+def _layer_line(index: int, layer: VelaLayer, stock: int, etfold: int, names: str) -> str:
+    operator = f"{layer.operator}->{layer.npu_operator}"
+    return f"    #{index:<3} {operator:<26} {stock:>9} {etfold:>9} {etfold - stock:>+9}  {names}"
+
+
+def print_layer_diffs(names, targets) -> None:
+    print("\nVela per-layer cycles where stock and etfold differ (#: schedule position)")
+    print(f"    {'#':<4} {'TOSA->Vela op':<26} {'stock':>9} {'etfold':>9} {'diff':>9}  names")
+    for name in names:
+        for target in targets:
+            results = _measured[name, target]
+            lines = layer_diff(results["stock"][0].layers, results["etfold"][0].layers)
+            print(f"  {name} {target}: {'' if lines else 'same cycles in every layer'}")
+            for line in lines:
+                print(line)
+
+
+def print_tinyml_row(targets) -> None:
+    for target in targets:
+        totals = {
+            f: sum(_measured[n, target][f][0].total_cycles for n in TINYML_MODELS) for f in FLAVOURS
+        }
+        print(
+            f"{'TinyML (MLPerf Tiny, sum)':<27} {target:<14} "
+            f"{totals['unfolded']:>9} {totals['stock']:>9} {totals['etfold']:>9} "
+            f"{totals['etfold'] / totals['stock']:>7.3f} {totals['etfold'] / totals['unfolded']:>7.3f}"
+        )
+
+
 def bench_models(names, targets) -> None:
     models = {m.name: m for m in all_models() if m.backend == "arm"}
+    print(
+        f"quantizer: {settings['quantizer']}; calibration: the example inputs and "
+        f"{settings['calibration']} samples; {settings['held_out']} held-out inputs"
+    )
     print("Vela total cycles (unfolded, stock, etfold); ratios etfold/stock, etfold/unfolded;")
     print("NPU-cycle ratio etfold/stock; TOSA MULs and operators stock/etfold")
     print(
@@ -175,6 +266,9 @@ def bench_models(names, targets) -> None:
                 notes.append(
                     f"  {name} {target}: {decision.fold} {verb} at {decision.where}: {decision.detail}"
                 )
+    if set(TINYML_MODELS) <= set(names):
+        print_tinyml_row(targets)
+    print_layer_diffs(names, targets)
     print(
         "\nerror vs fp32 eager on the TOSA reference model, max/mean LSB (same quantized programs)"
     )
@@ -253,11 +347,17 @@ def bench_rollout(step_count: int, targets) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=list(DEFAULT_MODELS))
+    parser.add_argument("--models", nargs="*", default=[*DEFAULT_MODELS, *TINYML_MODELS])
     parser.add_argument("--targets", nargs="*", default=list(TARGETS))
+    parser.add_argument("--quantizer", choices=sorted(QUANTIZERS), default="ethos-u")
+    parser.add_argument("--calibration-samples", type=int, default=16)
+    parser.add_argument("--held-out", type=int, default=4)
     parser.add_argument("--rollout-steps", type=int, default=1000)
     parser.add_argument("--skip-rollout", action="store_true")
     args = parser.parse_args()
+    settings.update(
+        quantizer=args.quantizer, calibration=args.calibration_samples, held_out=args.held_out
+    )
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)

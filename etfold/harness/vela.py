@@ -10,7 +10,8 @@
 `EthosUQuantizer` (its annotation pipeline sees the Ethos-U TOSA spec, as a
 user's would), lowers with `EthosUPartitioner`, and returns the lowered program
 with one `VelaEstimate` per delegate, read from the summary Vela writes beside
-the command stream it compiles. Vela's stdout goes into the estimate's `log`.
+the command stream it compiles, with Vela's per-layer cycles (`layers`, from
+its `--verbose-performance` report). Vela's stdout goes into the estimate's `log`.
 
 Upstream compiles each delegate with `executorch.backends.arm.ethosu.backend.
 vela_compile`; while a lowering runs here, that name is wrapped so each call
@@ -46,6 +47,30 @@ _BACKEND_MODULE = "executorch.backends.arm.ethosu.backend"
 
 
 @dataclass(frozen=True)
+class VelaLayer:
+    """One operator Vela scheduled, from its per-layer report."""
+
+    operator: str  # the TOSA operator it comes from ("Rescale", "TransposeConv2D", ...)
+    npu_operator: str  # what Vela runs it as ("Mul", "Conv2D", ...)
+    name: str  # Vela's name for it (a TOSA tensor name; differs between lowerings)
+    cycles: int
+
+
+def read_per_layer(path: Path) -> tuple[VelaLayer, ...]:
+    """The layers in a Vela `*_per-layer.csv`, in schedule order."""
+    with path.open(newline="") as handle:
+        return tuple(
+            VelaLayer(
+                row["Original Operator"],
+                row["NNG Operator"],
+                row["Name"],
+                int(round(float(row["Op Cycles"]))),
+            )
+            for row in csv.DictReader(handle)
+        )
+
+
+@dataclass(frozen=True)
 class VelaEstimate:
     """Vela's performance and memory estimate for one compiled delegate (or a sum)."""
 
@@ -56,6 +81,7 @@ class VelaEstimate:
     encoded_weight_bytes: int
     tosa_operators: Counter[str] = field(default_factory=Counter, compare=False, repr=False)
     log: str = field(default="", compare=False, repr=False)
+    layers: tuple[VelaLayer, ...] = field(default=(), compare=False, repr=False)
 
     def __add__(self, other: VelaEstimate) -> VelaEstimate:
         return VelaEstimate(
@@ -66,6 +92,7 @@ class VelaEstimate:
             self.encoded_weight_bytes + other.encoded_weight_bytes,
             self.tosa_operators + other.tosa_operators,
             self.log + other.log,
+            self.layers + other.layers,
         )
 
 
@@ -106,17 +133,23 @@ def _estimates_collected() -> Iterator[list[VelaEstimate]]:
             stdout = io.StringIO()
             with contextlib.redirect_stdout(stdout):
                 result = original(
-                    tosa_flatbuffer, list(args), False, intermediate_path=directory, **kwargs
+                    tosa_flatbuffer,
+                    [*args, "--verbose-performance"],
+                    False,
+                    intermediate_path=directory,
+                    **kwargs,
                 )
             summaries = sorted(Path(directory, "output").glob("*_summary_*.csv"))
             if len(summaries) != 1:
                 raise RuntimeError(f"Vela wrote {len(summaries)} summaries, expected one")
             estimate = read_summary(summaries[0])
+            per_layer = sorted(Path(directory, "output").glob("*_per-layer.csv"))
             estimates.append(
                 dataclasses.replace(
                     estimate,
                     tosa_operators=tosa_operator_counts(tosa_flatbuffer),
                     log=stdout.getvalue(),
+                    layers=read_per_layer(per_layer[0]) if per_layer else (),
                 )
             )
         return result

@@ -449,11 +449,12 @@ class FoldScalarMulIntoConvPass(ArmPass):
         )
         if not keeps_weight_precision(weight_tensor, channel_scale, transposed, groups):
             return Declined(WEIGHT_BELOW_SCALE_FLOOR)
-        if (
-            transposed
-            and (costly := per_channel_scale_into_transposed_conv(channel_scale)) is not None
-        ):
-            return costly
+        if transposed:
+            costly = per_channel_scale_into_transposed_conv(
+                channel_scale, before_calibration=self.is_tfa_pass
+            )
+            if costly is not None:
+                return costly
         if (costly := multiply_keeps_the_transpose(mul)) is not None:
             return costly
         return ConvScaleMatch(

@@ -54,20 +54,37 @@ def multiply_keeps_the_transpose(mul: Node) -> Declined | None:
     )
 
 
-def per_channel_scale_into_transposed_conv(channel_scale: torch.Tensor) -> Declined | None:
-    """A scale that differs between channels may not fold into a transposed conv on U55/U65.
+def per_channel_scale_into_transposed_conv(
+    channel_scale: torch.Tensor, *, before_calibration: bool = False
+) -> Declined | None:
+    """A scale that differs between channels may not fold into a transposed conv on U55/U65,
+    nor before calibration while no NPU is named.
 
     There Vela cannot fuse a transposed conv's per-channel requantization into
     the conv: the RESCALE runs as elementwise passes of its own, one per distinct
     per-channel shift. Folding a scale that differs between channels spreads the
     channels' weight ranges, hence their shifts, over more binades: more passes
-    than the one multiply the fold removes. A uniform scale moves every channel's
-    range and the output's alike, so the shifts stay as they were. U85 fuses it.
+    than the one multiply the fold removes (`conv_scale_net`, U55: the upsampler's
+    RESCALE went from one pass of 131,072 cycles plus the multiply's 16,384 to
+    two passes, 98,304 + 81,920). A uniform scale moves every channel's range and
+    the output's alike, so the shifts stay as they were. U85 fuses it.
+
+    Before calibration (the annotation pipeline) the fold is final: the quantized
+    program keeps it whatever it is lowered for next. A quantizer built from a
+    TOSA spec rather than an Ethos-U one names no NPU, and its program can still
+    go to Vela for a U55, so the fold declines there too. Quantize with
+    `EthosUQuantizer` for a U85 (or lower a float program) to have it.
     """
-    target = ethos_u_target()
-    if target is None or not _in_u55_family(target):
-        return None
     if channel_scale.unique().numel() == 1:
+        return None
+    target = ethos_u_target()
+    if target is None and before_calibration:
+        return Declined(
+            "quantizing with no Ethos-U target named: the program may go to Vela for a U55/U65, "
+            "which requantizes a transposed conv's output in standalone passes, one per distinct "
+            "per-channel shift; a scale that differs between channels spreads the shifts"
+        )
+    if target is None or not _in_u55_family(target):
         return None
     return Declined(
         f"on {target} Vela requantizes a transposed conv's output in standalone passes, one "

@@ -26,6 +26,7 @@ from executorch.exir import to_edge
 
 from etfold.backends.arm import FoldScalarMulIntoConvPass, arm_folds_registered
 from etfold.backends.arm._passes import fold_scalar_mul_into_conv_pass as fold
+from etfold.backends.arm._passes.lowering_target import lowering_for
 from etfold.backends.arm.registration import upstream_folds_retired
 from etfold.decisions import FoldDecision, collect_decisions
 from etfold.harness.tosa_runner import (
@@ -412,11 +413,20 @@ class TransposedScale(torch.nn.Module):
         return self.conv(x) * self.scale
 
 
+def _quantized_for_u85():
+    """Quantize as for an Ethos-U85, which fuses a transposed conv's per-channel
+    requantization: there a scale that differs between channels folds before calibration."""
+    from executorch.backends.arm.ethosu import EthosUCompileSpec
+
+    return lowering_for(EthosUCompileSpec("ethos-u85-256"))
+
+
 @pytest.mark.parametrize("profile", [INT, FP])
 def test_transposed_conv_folds_along_its_output_channel_axis(profile):
     torch.manual_seed(0)
     model, inputs = TransposedScale(groups=1).eval(), (torch.randn(1, 4, 6, 6),)
-    with collect_decisions() as journal:
+    target = _quantized_for_u85() if profile == INT else contextlib.nullcontext()
+    with collect_decisions() as journal, target:
         folded = lower(model, inputs, profile, "etfold")
     assert [d.applied for d in mine(journal)] == [True]
     assert folded.operator_counts()["MUL"] == 0
@@ -447,11 +457,25 @@ def test_grouped_convs_fold_exactly_on_the_aten_graph(make):
         model.conv = torch.nn.Conv2d(4, 8, 3, groups=2)
     inputs = (torch.randn(1, 4, 6, 6),)
     graph_module = torch.export.export(model, inputs).module(check_guards=False)
-    with collect_decisions() as journal:
+    with collect_decisions() as journal, _quantized_for_u85():
         FoldScalarMulIntoConvPass(tfa_pass=True)(graph_module)
     assert [d.applied for d in mine(journal)] == [True]
     assert not _muls(graph_module)
     torch.testing.assert_close(graph_module(*inputs), model(*inputs), atol=1e-5, rtol=1e-5)
+
+
+def test_uneven_scale_into_a_transposed_conv_declines_before_calibration_for_no_named_npu():
+    """A TOSA quantizer names no NPU, and its program may go to Vela for a U55."""
+    torch.manual_seed(0)
+    graph_module = torch.export.export(
+        TransposedScale(groups=1).eval(), (torch.randn(1, 4, 6, 6),)
+    ).module(check_guards=False)
+    before = graph_module.code
+    with collect_decisions() as journal:
+        FoldScalarMulIntoConvPass(tfa_pass=True)(graph_module)
+    [decision] = mine(journal)
+    assert not decision.applied and graph_module.code == before
+    assert decision.detail.startswith("quantizing with no Ethos-U target named")
 
 
 # ---- graph level: fresh constants, deterministic names, deletion only when unused ----

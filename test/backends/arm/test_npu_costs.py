@@ -24,6 +24,7 @@ from etfold.harness.vela import (  # noqa: E402
     U55,
     U85,
     ethos_u_compile_spec,
+    lower_ethos_u,
     lower_module_ethos_u,
     quantize_for_ethos_u,
 )
@@ -69,10 +70,16 @@ def test_uneven_scale_declines_into_a_transposed_conv_on_u55_saying_why():
     assert f"on {U55} Vela requantizes a transposed conv's output in standalone passes" in detail
 
 
+def test_uneven_scale_declines_into_a_transposed_conv_quantized_for_no_named_npu():
+    [(applied, detail)] = _decisions_quantizing_for(None, UNEVEN)
+    assert not applied
+    assert detail.startswith("quantizing with no Ethos-U target named")
+
+
 @pytest.mark.parametrize(
     ("target", "scale"),
-    [(U85, UNEVEN), (None, UNEVEN), (U55, torch.full((16,), 0.5))],
-    ids=["uneven-u85", "uneven-plain-tosa", "uniform-u55"],
+    [(U85, UNEVEN), (U55, torch.full((16,), 0.5)), (None, torch.full((16,), 0.5))],
+    ids=["uneven-u85", "uniform-u55", "uniform-plain-tosa"],
 )
 def test_folds_where_vela_fuses_the_requantization_or_shifts_stay(target, scale):
     [(applied, _)] = _decisions_quantizing_for(target, scale)
@@ -90,6 +97,19 @@ def test_etfold_costs_no_vela_cycles_against_stock(target):
     assert etfold.estimate.total_cycles <= stock.estimate.total_cycles
     if target == U85:
         assert etfold.estimate.total_cycles < stock.estimate.total_cycles
+
+
+def test_quantized_with_a_tosa_quantizer_then_lowered_for_u55_costs_no_cycles():
+    """The NPU is named only at lowering; folded before calibration, the upsampler's
+    requantization would run as two standalone passes on U55 (conv_scale_net: 1.08x stock)."""
+    samples = _samples()
+    module = _module(UNEVEN)
+    stock = lower_ethos_u(quantize_for_tosa(module, samples[0], calibration=samples[1:]), U55)
+    with arm_folds_registered():
+        quantized = quantize_for_tosa(module, samples[0], calibration=samples[1:])
+        etfold = lower_ethos_u(quantized, U55)
+    assert etfold.operator_counts()["MUL"] == stock.operator_counts()["MUL"] == 1
+    assert etfold.estimate.total_cycles <= stock.estimate.total_cycles
 
 
 class ScaledThenPermuted(torch.nn.Module):
@@ -149,3 +169,5 @@ def test_rule_declines_exactly_uneven_scales_on_the_u55_family(target, values):
     uneven = len(set(values)) > 1
     assert (declined is not None) == (uneven and not target.startswith("ethos-u85"))
     assert per_channel_scale_into_transposed_conv(scale) is None  # no target: plain TOSA
+    before_calibration = per_channel_scale_into_transposed_conv(scale, before_calibration=True)
+    assert (before_calibration is not None) == uneven  # no NPU named while quantizing
