@@ -23,6 +23,7 @@
    models, summed into one TinyML row per target. Then, per model and target,
    Vela's per-layer cycles stock vs etfold where they differ (layers matched in
    schedule order by operator), so a regression names its layer.
+   `--no-precision` skips the precision half (Vela cycles only).
    `--quantizer tosa` quantizes with TOSAQuantizer (a TOSA spec: the NPU is not
    named until lowering) instead of EthosUQuantizer; folds made before
    calibration then cannot ask which NPU the program is for.
@@ -49,6 +50,7 @@ import contextlib
 import copy
 import difflib
 import logging
+import math
 import warnings
 
 import torch
@@ -106,7 +108,7 @@ QUANTIZERS = {
         module, inputs, calibration=calibration
     ),
 }
-settings = {"quantizer": "ethos-u", "calibration": 16, "held_out": 4}
+settings = {"quantizer": "ethos-u", "calibration": 16, "held_out": 4, "precision": True}
 # etfold may be no less precise than the unfolded lowering, within these (LSB)
 MAX_ERROR_SLACK, MEAN_ERROR_SLACK = 0.5, 0.05
 
@@ -135,9 +137,14 @@ def _measure(model, target: str) -> dict[str, tuple]:
         with context(), collect_decisions() as decisions:
             quantized = quantize(copy.deepcopy(module), inputs, target, calibration)
             program = lower_ethos_u(quantized, target)
-            with lowering_for(ethos_u_compile_spec(target)):
-                reference = lower_tosa(copy.deepcopy(quantized), INT)
-        errors = _errors_against_eager(reference, module, held_out)
+            if settings["precision"]:
+                with lowering_for(ethos_u_compile_spec(target)):
+                    reference = lower_tosa(copy.deepcopy(quantized), INT)
+        errors = (
+            _errors_against_eager(reference, module, held_out)
+            if settings["precision"]
+            else (math.nan, math.nan)
+        )
         unique = list(dict.fromkeys(decisions))
         results[flavour] = (program.estimate, program.operator_counts(), unique, errors)
     return results
@@ -352,11 +359,17 @@ def main() -> None:
     parser.add_argument("--quantizer", choices=sorted(QUANTIZERS), default="ethos-u")
     parser.add_argument("--calibration-samples", type=int, default=16)
     parser.add_argument("--held-out", type=int, default=4)
+    parser.add_argument(
+        "--no-precision", action="store_true", help="Vela cycles only: no TOSA reference runs"
+    )
     parser.add_argument("--rollout-steps", type=int, default=1000)
     parser.add_argument("--skip-rollout", action="store_true")
     args = parser.parse_args()
     settings.update(
-        quantizer=args.quantizer, calibration=args.calibration_samples, held_out=args.held_out
+        quantizer=args.quantizer,
+        calibration=args.calibration_samples,
+        held_out=args.held_out,
+        precision=not args.no_precision,
     )
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
