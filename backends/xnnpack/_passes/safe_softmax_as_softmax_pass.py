@@ -14,7 +14,10 @@ Result:  y -> o                 when no row of x along d is entirely -inf, that 
   (b) x = s + m (either order)  m computed from constants only (a causal mask built from
                                 arange/full/index/le/where, a constant buffer), and every
                                 row of m, broadcast to x, keeps an entry above half the
-                                dtype's lowest value.
+                                dtype's lowest value;
+  (c) as (b), m computed from constants and the program's sizes (`arange(ids.size(1))`,
+      a dynamic export's mask): m is computed at every size the export's bounds allow
+      (`mask_at_every_size`), and every row keeps an entry at each.
 
 The guard only replaces rows whose every entry is -inf, so where there are none it
 returns `o` unchanged: the rewrite is exact. It assumes the scores are not -inf
@@ -28,9 +31,10 @@ whose guard (eq, logical_not, any, logical_not, full_like, where) ExecuTorch 1.5
 XNNPACK partitioner takes none of: six portable ops and one more delegate per
 attention layer of every HF decoder and encoder.
 
-Declines (the guard stays): a mask read from a user input or from state not known
-when lowering, a constant mask with a fully masked row, scores not from a matmul,
-dynamic shapes, a guarded softmax the program returns.
+Declines (the guard stays): a mask read from a user input's values or from state not
+known when lowering, a mask with a fully masked row (at some size), scores not from a
+matmul, a mask over more sizes than `mask_at_every_size` checks, a guarded softmax
+the program returns.
 
 Runs on the ATen program, before decomposition; a program holding an SDPA (or a
 `_safe_softmax`) is decomposed with the lowering's own table first, so the guard is
@@ -50,6 +54,11 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from etfold.backends.xnnpack._passes.decomposed_first import decomposed_for
+from etfold.backends.xnnpack._passes.mask_at_every_size import (
+    reads_sizes_only,
+    size_reads,
+    values_at_every_size,
+)
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.constant_prop.evaluate import evaluate_selection
 from etfold.exir.passes.constant_prop.select import select_folds
@@ -58,11 +67,12 @@ from etfold.exir.passes.graph_walk import (
     StateFacts,
     ancestors,
     input_kinds,
+    known_placeholder,
     placeholders,
     state_facts,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import rank_of, static_shape
+from etfold.exir.passes.node_shapes import rank_of
 
 FOLD = "xnnpack.safe_softmax_as_softmax"
 
@@ -182,10 +192,13 @@ def known_when_lowering(
     program: ExportedProgram, cone: set[Node], facts: StateFacts
 ) -> Declined | None:
     """None when every placeholder in `cone` holds a value known before any call, in
-    every method (a buffer the lowering did not judge across methods is not)."""
+    every method (a buffer the lowering did not judge across methods is not), or is a
+    user input whose sizes alone `cone` reads."""
     kinds = input_kinds(program)
     for node in placeholders(program):
         if node not in cone:
+            continue
+        if kinds.get(node.name) == InputKind.USER_INPUT and reads_sizes_only(node, cone):
             continue
         if kinds.get(node.name) == InputKind.USER_INPUT:
             return Declined(
@@ -208,21 +221,45 @@ def _guarded_masks(program: ExportedProgram) -> list[Node]:
     return list(masks)
 
 
-def mask_values(program: ExportedProgram) -> dict[str, torch.Tensor | Declined]:
-    """Each guarded softmax's mask, by node name: its value computed from constants
-    (by constant propagation's select and evaluate, the program untouched), or why
-    it is not known when lowering."""
+MaskValues = tuple[tuple[str, torch.Tensor], ...]  # (where: "" or the sizes, value)
+
+
+def _at_every_size(
+    program: ExportedProgram, mask: Node, reads: set[Node], facts: StateFacts
+) -> MaskValues | Declined:
+    sources = {
+        node: known_placeholder(program, node, facts=facts).tensor
+        for node in reads
+        if node.op == "placeholder" and not reads_sizes_only(node, reads)
+    }
+    found = values_at_every_size(mask, reads, sources)
+    if isinstance(found, Declined):
+        return found
+    return tuple((f"at {_named(assignment)}", value) for assignment, value in found)
+
+
+def _named(assignment: Mapping) -> str:
+    return ", ".join(f"{symbol} = {size}" for symbol, size in assignment.items())
+
+
+def mask_values(program: ExportedProgram) -> dict[str, MaskValues | Declined]:
+    """Each guarded softmax's mask, by node name: its values (one when computed from
+    constants, by constant propagation's select and evaluate, the program untouched;
+    one per size when it reads the program's sizes too), or why they are not known
+    when lowering."""
     masks = _guarded_masks(program)
     if not masks:
         return {}
     facts = state_facts(program)
-    found: dict[str, torch.Tensor | Declined] = {}
+    found: dict[str, MaskValues | Declined] = {}
     cone: set[Node] = set()
     for mask in masks:
         reads = ancestors(mask)
         declined = known_when_lowering(program, reads, facts)
         if declined is not None:
             found[mask.name] = declined
+        elif size_reads(reads):
+            found[mask.name] = _at_every_size(program, mask, reads, facts)
         else:
             cone |= reads
     if not cone:
@@ -231,18 +268,22 @@ def mask_values(program: ExportedProgram) -> dict[str, torch.Tensor | Declined]:
     values = evaluate_selection(select_folds(program, (), nodes_to_fold=wanted)).values
     for mask in masks:
         value = values.get(mask)
-        if mask.name not in found and not isinstance(value, torch.Tensor):
-            value = Declined(f"the mask {mask.name} could not be computed when lowering")
-        found.setdefault(mask.name, value)
+        if mask.name in found:
+            continue
+        if not isinstance(value, torch.Tensor):
+            found[mask.name] = Declined(f"the mask {mask.name} could not be computed when lowering")
+        else:
+            found[mask.name] = (("", value),)
     return found
 
 
 def every_row_keeps_an_entry(
-    mask: torch.Tensor, shape: tuple[int, ...], dim: int, dtype: torch.dtype
+    mask: torch.Tensor, rank: int, dim: int, dtype: torch.dtype
 ) -> Declined | None:
-    """None when each row of `mask` along `dim`, broadcast to `shape`, holds an entry
-    above half of `dtype`'s lowest value (a score added to it cannot reach -inf)."""
-    lifted = mask.reshape((1,) * (len(shape) - mask.dim()) + tuple(mask.shape))
+    """None when each row of `mask` along `dim`, broadcast to a shape of `rank` dims,
+    holds an entry above half of `dtype`'s lowest value (a score added to it cannot
+    reach -inf). Broadcasting repeats rows and entries, so the mask's own rows decide."""
+    lifted = mask.reshape((1,) * (rank - mask.dim()) + tuple(mask.shape))
     kept = (lifted.double() > torch.finfo(dtype).min / 2).any(dim)
     masked = (~kept).nonzero()
     if len(masked):
@@ -259,16 +300,28 @@ def not_returned(guard: SoftmaxGuard) -> Declined | None:
     return None
 
 
-def _mask_value(mask: object, masks: Mapping[str, torch.Tensor | Declined]):
-    """The mask's value, or why it is not known; add.Tensor's other operand is a
+def _mask_values(mask: object, masks: Mapping[str, MaskValues | Declined]):
+    """The mask's values, or why they are not known; add.Tensor's other operand is a
     tensor or a number."""
     if isinstance(mask, Node):
         return masks.get(mask.name, Declined(f"the mask {mask.name} was not evaluated"))
-    return torch.tensor(float(mask))
+    return (("", torch.tensor(float(mask))),)
+
+
+def every_row_kept_everywhere(
+    values: MaskValues, rank: int, dim: int, dtype: torch.dtype
+) -> Declined | None:
+    """`every_row_keeps_an_entry` at each of the mask's values; the first decline, its
+    sizes named."""
+    for where, value in values:
+        declined = every_row_keeps_an_entry(value, rank, dim, dtype)
+        if declined is not None:
+            return Declined(f"{declined.reason} {where}".rstrip())
+    return None
 
 
 def match_safe_softmax(
-    node: Node, masks: Mapping[str, torch.Tensor | Declined]
+    node: Node, masks: Mapping[str, MaskValues | Declined]
 ) -> SafeSoftmaxAsSoftmax | Declined | None:
     """The rewrite of the guard anchored at `node`, a reason it stays, or None when
     `node` is no guard's where. `masks`: `mask_values` of the program."""
@@ -276,9 +329,6 @@ def match_safe_softmax(
     if guard is None:
         return None
     x = guard.softmax.args[0]
-    shape = static_shape(x)
-    if shape is None:
-        return Declined("dynamic shape: the rows are not known when lowering")
     parts = scores_and_mask(x)
     if isinstance(parts, Declined):
         return parts
@@ -287,13 +337,19 @@ def match_safe_softmax(
     matmul, mask = parts
     if mask is None:
         return SafeSoftmaxAsSoftmax(guard, f"no mask: the scores are {matmul.name}'s")
-    value = _mask_value(mask, masks)
-    if isinstance(value, Declined):
-        return value
-    declined = every_row_keeps_an_entry(value, shape, guard.dim, x.meta["val"].dtype)
+    values = _mask_values(mask, masks)
+    if isinstance(values, Declined):
+        return values
+    value = x.meta["val"]
+    declined = every_row_kept_everywhere(values, value.dim(), guard.dim, value.dtype)
     if declined is not None:
         return declined
-    return SafeSoftmaxAsSoftmax(guard, f"every row of the constant mask `{mask}` keeps an entry")
+    if len(values) == 1:
+        return SafeSoftmaxAsSoftmax(
+            guard, f"every row of the constant mask `{mask}` keeps an entry"
+        )
+    detail = f"every row of the mask `{mask}` keeps an entry at each of its {len(values)} sizes"
+    return SafeSoftmaxAsSoftmax(guard, detail)
 
 
 def rewrite_safe_softmax(match: SafeSoftmaxAsSoftmax) -> None:

@@ -25,6 +25,12 @@ from etfold.backends.xnnpack._passes.safe_softmax_as_softmax_pass import (
 from etfold.decisions import collect_decisions
 from etfold.exir import to_edge_transform_and_lower
 from etfold.harness.demo_lowerings import lowered_demo
+from etfold.harness.dynamic_pairs import (
+    LengthAxis,
+    decisions_apart,
+    dynamic_errors,
+    lower_static_and_dynamic,
+)
 from etfold.harness.xnnpack_runner import assert_close, lower_module_xnnpack, max_abs_error
 
 # the decoder rows are `lowered_demo`'s, shared with the other files of this group
@@ -251,11 +257,64 @@ def test_declines_when_the_scores_are_not_a_matmuls():
     ]
 
 
-def test_declines_when_the_shape_is_dynamic():
-    tokens = torch.export.Dim("tokens", min=2, max=16)
-    inputs = (_tokens(t=5),)
-    reasons = _declined(_attention(torch.float32, False), inputs, dynamic_shapes=({1: tokens},))
-    assert reasons == ["dynamic shape: the rows are not known when lowering"]
+# ---- a dynamic sequence: the mask, built from the length, checked at every length
+
+
+def _tokens_of(length: int) -> tuple[torch.Tensor]:
+    return (_tokens(t=length, seed=length),)
+
+
+@pytest.mark.parametrize(
+    ("causal", "detail"),
+    [
+        (False, "no mask: the scores are bmm's"),
+        (True, "every row of the mask `where` keeps an entry at each of its 15 sizes"),
+    ],
+    ids=["no-mask", "causal"],
+)
+def test_a_dynamic_length_drops_the_guard_as_the_static_one_does(causal, detail):
+    axis = LengthAxis(((1,),), 2, 16, 5)
+    module = _attention(torch.float32, causal)
+    pair = lower_static_and_dynamic(module, _tokens_of, axis, lambda: [XnnpackPartitioner()])
+    assert _ours(pair.dynamic.decisions) == [(True, detail)]
+    static_only, dynamic_only = decisions_apart(pair, lambda fold: fold == FOLD)
+    if not causal:  # the static mask is a constant, the dynamic one a function of the length
+        assert static_only == dynamic_only == {}
+    # the guard is gone; the dynamic mask is computed outside, from the length, and the
+    # views of the scores that leave XNNPACK two symbolic sizes cut the delegate
+    assert _guard_ops_outside(pair.dynamic.program) == set()
+    assert pair.static.program.delegates() == 1
+    errors = dynamic_errors(pair)
+    assert {axis.low, axis.high} <= set(errors) and max(errors.values()) <= 1e-5, errors
+
+
+class SeesKeysBeforeTheLastFour(torch.nn.Module):
+    """Each query sees the keys before the last four: none at all up to length 4."""
+
+    def forward(self, q, k):
+        length = q.shape[1]
+        hidden = (torch.arange(length) >= length - 4).expand(length, length)
+        mask = torch.where(hidden, float("-inf"), 0.0)
+        return torch.ops.aten._safe_softmax(q @ k.transpose(1, 2) + mask, -1) * 2.0
+
+
+def test_declines_when_the_mask_fully_masks_a_row_at_one_length():
+    tokens = torch.export.Dim("tokens", min=2, max=8)
+    inputs = (torch.randn(1, 5, 4), torch.randn(1, 5, 4))
+    reasons = _declined(
+        SeesKeysBeforeTheLastFour(), inputs, dynamic_shapes=({1: tokens}, {1: tokens})
+    )
+    assert len(reasons) == 1 and reasons[0].startswith("row (0, 0) of the constant mask")
+    assert reasons[0].endswith("= 2")  # the first length checked: the lower bound
+
+
+def test_declines_when_the_lengths_are_too_many_to_check():
+    tokens = torch.export.Dim("tokens", min=2, max=8192)
+    reasons = _declined(
+        _attention(torch.float32, True), (_tokens(t=5),), dynamic_shapes=({1: tokens},)
+    )
+    assert len(reasons) == 1 and reasons[0].startswith("dynamic shape: ")
+    assert reasons[0].endswith("in 2..8192: 8191 sizes, over 4096 to check")
 
 
 def test_declines_when_the_program_returns_the_guarded_softmax():
