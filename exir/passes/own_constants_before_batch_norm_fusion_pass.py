@@ -27,6 +27,16 @@ fuses them anyway and the other reader gets the batch-normed values, so in a
 graph module (the form `prepare_pt2e` fuses) the batch norm gets a layer of its
 own (`own_constants_in_graph_module`).
 
+A batch norm that fuses into no layer is decomposed instead, and XNNPACK's
+`DecomposeBatchNorm` names the decomposition's constants after the batch norm's
+weight (gamma): two batch norms sharing a gamma with other statistics got one
+norm's values, and one norm applied to two rank-2 tensors gave two conv1d one
+weight, which `Conv1dUnsqueezePass` cannot lower. So every batch norm but the
+last that reads a gamma another batch norm reads gets a copy of it too:
+
+Given:   bn(x1; g, b1, m1, v1)          bn(x2; g, b2, m2, v2)
+Result:  bn(x1; g', b1, m1, v1)         bn(x2; g, b2, m2, v2)
+
 Declines: a constant the program writes (its copy would not follow the writes).
 """
 
@@ -74,6 +84,7 @@ INFERENCE_BATCH_NORM_OPS = {
     aten._native_batch_norm_legit_no_training.default: None,
 }
 WEIGHT, BIAS = 1, 2
+GAMMA = 1  # a batch norm's weight, in every op of INFERENCE_BATCH_NORM_OPS
 
 
 def is_inference_batch_norm(node: Node) -> bool:
@@ -136,6 +147,28 @@ def match_layer_sharing_constants(
     return LayerNeedsOwnConstants(batch_norm, layer, tuple(positions), read_elsewhere)
 
 
+@dataclass(frozen=True)
+class BatchNormSharingGamma:
+    batch_norm: Node  # reads a gamma a later batch norm also reads
+
+
+def match_batch_norm_sharing_gamma(
+    batch_norm: Node, is_constant: Callable[[Node], bool | Declined]
+) -> BatchNormSharingGamma | Declined | None:
+    if not is_inference_batch_norm(batch_norm) or len(batch_norm.args) <= GAMMA:
+        return None
+    gamma = batch_norm.args[GAMMA]
+    if not isinstance(gamma, Node):
+        return None
+    norms = [user for user in gamma.users if is_inference_batch_norm(user)]
+    if len(norms) < 2 or norms[-1] is batch_norm:
+        return None
+    known = is_constant(gamma)
+    if isinstance(known, Declined):
+        return known
+    return BatchNormSharingGamma(batch_norm) if known else None
+
+
 def _copy_name(source: str, layer: Node, taken: set[str]) -> str:
     for candidate in (f"{source}_for_{layer.name}", f"{source}_for_{layer.name}_bn"):
         name = candidate.replace(".", "_")
@@ -149,21 +182,35 @@ def own_constants_before_batch_norm_fusion(program: ExportedProgram) -> Exported
     does not. The layers whose output is also read elsewhere are left: the backend
     fusions do not fuse them."""
     matches = _matches(program)
-    if not any(m.positions for m in matches):
+    if not any(isinstance(m, BatchNormSharingGamma) or m.positions for m in matches):
         return program
     program = copy_for_rewrite(program)
     taken = {n.name for n in program.graph.nodes} | set(program.state_dict) | set(program.constants)
     sources = {s.node: s for s in _known_sources(program)}
+
+    def own_copy(reader: Node, position: int) -> None:
+        source = sources[reader.args[position]]
+        copy = _copy_placeholder(program, source, _copy_name(source.fqn, reader, taken))
+        taken.update({copy.name, copy.target})
+        reader.update_arg(position, copy)
+
     for match in _matches(program, record=False):
+        if isinstance(match, BatchNormSharingGamma):
+            own_copy(match.batch_norm, GAMMA)
+            record_applied(FOLD, match.batch_norm.name, GAMMA_DETAIL)
+            continue
         for position in match.positions:
-            source = sources[match.layer.args[position]]
-            copy = _copy_placeholder(program, source, _copy_name(source.fqn, match.layer, taken))
-            taken |= {copy.name, copy.target}
-            match.layer.update_arg(position, copy)
+            own_copy(match.layer, position)
         if match.positions:
             record_applied(FOLD, match.layer.name, _detail(match))
     program.graph_module.recompile()
     return program
+
+
+GAMMA_DETAIL = (
+    "reads its own copy of its weight (gamma): another batch norm reads it, and a"
+    " decomposed batch norm's constants are named after its gamma"
+)
 
 
 def _known_sources(program: ExportedProgram) -> list[ConstantSource]:
@@ -172,7 +219,9 @@ def _known_sources(program: ExportedProgram) -> list[ConstantSource]:
     return [s for s in found if isinstance(s, ConstantSource)]
 
 
-def _matches(program: ExportedProgram, record: bool = True) -> list[LayerNeedsOwnConstants]:
+def _matches(
+    program: ExportedProgram, record: bool = True
+) -> list[LayerNeedsOwnConstants | BatchNormSharingGamma]:
     facts = state_facts(program)
 
     def is_constant(node: Node) -> bool | Declined:
@@ -183,12 +232,13 @@ def _matches(program: ExportedProgram, record: bool = True) -> list[LayerNeedsOw
 
     found = []
     for node in program.graph.nodes:
-        match = match_layer_sharing_constants(node, is_constant)
-        if isinstance(match, Declined):
-            if record:
-                record_declined(FOLD, node.name, match.reason)
-        elif match is not None:
-            found.append(match)
+        for matcher in (match_layer_sharing_constants, match_batch_norm_sharing_gamma):
+            match = matcher(node, is_constant)
+            if isinstance(match, Declined):
+                if record:
+                    record_declined(FOLD, node.name, match.reason)
+            elif match is not None:
+                found.append(match)
     return found
 
 
