@@ -21,6 +21,12 @@ from etfold.backends.xnnpack._passes.contiguous_last_axis_inputs_pass import (
 from etfold.decisions import Declined, collect_decisions
 from etfold.exir import to_edge_transform_and_lower as etfold_lower
 from etfold.exir.passes.graph_walk import is_channels_last
+from etfold.harness.dynamic_pairs import (
+    LengthAxis,
+    decisions_apart,
+    dynamic_errors,
+    lower_static_and_dynamic,
+)
 from etfold.harness.xnnpack_runner import lower_module_xnnpack, max_abs_error
 
 OPS = {
@@ -133,3 +139,24 @@ OPS_TARGETS = {
     "layer_norm": torch.ops.aten.layer_norm.default,
     "softmax": torch.ops.aten.softmax.int,
 }
+
+
+@pytest.mark.parametrize("op", ["softmax", "layer_norm"])
+def test_a_dynamic_width_reads_the_same_copy_and_matches_eager_at_the_bounds(op):
+    """The copies resize with the tensor: a symbolic width changes nothing."""
+    torch.manual_seed(0)
+    axis = LengthAxis(((3,),), 2, 16, 6)
+    pair = lower_static_and_dynamic(
+        ChannelsLastConvThen(op).eval(),
+        lambda width: (
+            torch.randn(1, 4, 5, width, generator=torch.Generator().manual_seed(width)),
+        ),
+        axis,
+        lambda: [XnnpackPartitioner()],
+    )
+    assert decisions_apart(pair, lambda fold: fold == FOLD) == ({}, {})
+    assert [d.applied for d in pair.dynamic.decisions if d.fold == FOLD] == [True]
+    assert pair.dynamic.program.delegates() == pair.static.program.delegates()
+    assert pair.dynamic.program.ops_outside() == pair.static.program.ops_outside()
+    errors = dynamic_errors(pair)
+    assert {axis.low, axis.high} <= set(errors) and max(errors.values()) <= 1e-5, errors
