@@ -15,12 +15,16 @@
 its sources (PARAMETER if any source is one, else BUFFER if any is, else a
 lifted constant), with their agreed `custom` meta, named
 `<first source of that kind>_prop_<sha256 of the expression>`: the same
-expression over the same source gets the same name in every method.
+expression over the same source gets the same name in every method. A fold of a
+folded constant keeps one suffix: it is named from the first fold's root, with the
+digest of the new expression (whose source line names the first fold, so the
+digest still covers the whole computation).
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -34,6 +38,22 @@ from etfold.exir.passes.constant_prop.evaluate import Evaluation, fresh_constant
 from etfold.exir.passes.constant_prop.select import Selection
 from etfold.exir.passes.constant_prop.verdicts import UNSET
 from etfold.exir.passes.graph_walk import ConstantSource, is_plain_tensor, op_qualified_name
+
+UPSTREAM_PREFIX = "_prop_tensor_constant"
+_FOLD_SUFFIX = re.compile(r"_prop_[0-9a-f]{64}$")
+_UPSTREAM_NAME = re.compile(rf"^{UPSTREAM_PREFIX}[0-9]+$")
+
+
+def fold_root(fqn: str) -> str:
+    """The name a fold of `fqn` starts from: a folded constant's own root, so a constant
+    folded twice keeps one `_prop_` suffix."""
+    return _FOLD_SUFFIX.sub("", fqn)
+
+
+def is_folded_target(target: str) -> bool:
+    """Whether a state or constant target is one constant propagation created
+    (either naming: etfold's `<root>_prop_<digest>` or upstream's `_prop_tensor_constant<N>`)."""
+    return bool(_FOLD_SUFFIX.search(target) or _UPSTREAM_NAME.match(target))
 
 
 @dataclass(frozen=True)
@@ -174,7 +194,7 @@ def name_fold(
     if register_like_source:
         kind, first = _registered_kind(leaves)
         digest = hashlib.sha256(expression.encode()).hexdigest()
-        target = f"{first.fqn if first else ''}_prop_{digest}"
+        target = f"{fold_root(first.fqn) if first else ''}_prop_{digest}"
         persistent = (first.persistent if first else None) if kind == InputKind.BUFFER else None
         if _name_taken_by_other_data(ep, target, tensor):
             return Declined(f"{target} already names a constant with different data")

@@ -29,11 +29,14 @@ from torch.export.graph_signature import InputKind, InputSpec, OutputKind, Tenso
 
 from etfold.decisions import record_applied
 from etfold.exir.passes.constant_prop import FOLD
-from etfold.exir.passes.constant_prop.name import ConstantFolds, Materialization
+from etfold.exir.passes.constant_prop.name import (
+    UPSTREAM_PREFIX,
+    ConstantFolds,
+    Materialization,
+)
 from etfold.exir.passes.constant_prop.verdicts import SourcePolicy, constant_sources
 from etfold.exir.passes.graph_walk import PLACEHOLDER_RANK, input_kinds
 
-UPSTREAM_PREFIX = "_prop_tensor_constant"
 _PLACEHOLDER_PREFIX = {InputKind.PARAMETER: "p_", InputKind.BUFFER: "b_"}
 
 
