@@ -221,7 +221,7 @@ def upstream_folds_cases(draw) -> UpstreamFoldsCase:
     if needed not in (None, "bias") and needed not in chain:
         chain.append(needed)
     layer = draw(st.sampled_from(sorted(LAYER_KINDS)))
-    return UpstreamFoldsCase(
+    case = UpstreamFoldsCase(
         seed=draw(seeds),
         layer=layer,
         in_channels=draw(st.integers(1, 6)),
@@ -237,6 +237,9 @@ def upstream_folds_cases(draw) -> UpstreamFoldsCase:
         backend=draw(st.sampled_from(BACKENDS)),
         stride=1 if layer == "linear" else draw(st.sampled_from([1, 1, 2])),
     )
+    if share != "bn":  # drawn last, so every earlier field keeps its recorded draw
+        return case
+    return dataclasses.replace(case, bn_shared=draw(st.sampled_from(["module", "gamma"])))
 
 
 FAMILIES = {

@@ -42,6 +42,7 @@ class UpstreamFoldsCase:
     combine: str = "tuple"  # "tuple": every branch an output; "sum": their sum
     backend: str = "xnnpack_fp32"  # a key of BACKENDS
     stride: int = 1
+    bn_shared: str = "module"  # share="bn": "module" (one BatchNorm) or "gamma" (its weight only)
 
     family = "upstream_folds"
 
@@ -162,9 +163,11 @@ class Branch(nn.Module):
         return [y]
 
 
-def _share(branches: list[Branch], share: str) -> None:
+def _share(branches: list[Branch], case: UpstreamFoldsCase) -> None:
     """The branches after the first read the first one's constants as `share` says."""
-    first = branches[0]
+    first, share = branches[0], case.share
+    if share == "bn" and case.bn_shared == "gamma":
+        share = "bn_gamma"
     for other in branches[1:]:
         if share in ("weight", "three", "weight_and_bias"):
             other.layer.weight = first.layer.weight
@@ -172,6 +175,8 @@ def _share(branches: list[Branch], share: str) -> None:
             other.layer.bias = first.layer.bias
         if share == "bn":
             other.bn = first.bn
+        if share == "bn_gamma":
+            other.bn.weight = first.bn.weight
         if share == "scale":
             other.scale = first.scale
         if share == "equal_weight":
@@ -189,7 +194,7 @@ class UpstreamFoldsModel(nn.Module):
         super().__init__()
         self.case = case
         branches = [Branch(case, generator) for _ in range(SHARE_MODES[case.share])]
-        _share(branches, case.share)
+        _share(branches, case)
         self.branches = nn.ModuleList(branches)
 
     def forward(self, x: torch.Tensor):

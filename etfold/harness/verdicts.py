@@ -87,9 +87,9 @@ KNOWN_UPSTREAM: tuple[tuple[str, str], ...] = (
     ),
     (
         r"running the 'Conv1dUnsqueezePass' pass",
-        "XNNPACK: Conv1dUnsqueezePass on a conv1d whose weight another conv1d also reads (etfold"
-        " lowers shared conv1d weights), or on the two conv1d XNNPACK makes of one BatchNorm1d"
-        " module applied to two rank-2 tensors (etfold crashes the same way: not guarded)",
+        "XNNPACK: Conv1dUnsqueezePass on a conv1d whose weight another conv1d also reads, or on"
+        " the two conv1d XNNPACK makes of one BatchNorm1d applied to two rank-2 tensors (etfold"
+        " lowers both: shared conv1d weights, and each batch norm's own gamma)",
     ),
     (
         r"marked not to be transformed before annotation",
