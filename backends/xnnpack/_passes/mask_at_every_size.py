@@ -59,6 +59,14 @@ def _shape_env(reads: list[Node]):
     return env
 
 
+def _read_of(symbol: sympy.Symbol, reads: list[Node]) -> str:
+    """"dim d of `x`" for the first size read that is `symbol` itself."""
+    for read in reads:
+        if read.meta["val"].node.expr == symbol:
+            return f"dim {read.args[1]} of `{read.args[0].name}`"
+    return "a size"
+
+
 def size_assignments(reads: list[Node]) -> list[dict] | Declined:
     """Every value of the symbols `reads` depend on, within the export's bounds."""
     symbols = _symbols(reads)
@@ -74,7 +82,8 @@ def size_assignments(reads: list[Node]) -> list[dict] | Declined:
     count = math.prod(len(r) for r in ranges)
     if count > MAX_SIZES:
         named = ", ".join(
-            f"{s} in {r.start}..{r.stop - 1}" for s, r in zip(symbols, ranges, strict=True)
+            f"{_read_of(symbol, reads)} ({symbol} in {r.start}..{r.stop - 1})"
+            for symbol, r in zip(symbols, ranges, strict=True)
         )
         return Declined(f"dynamic shape: {named}: {count} sizes, over {MAX_SIZES} to check")
     return [dict(zip(symbols, values, strict=True)) for values in itertools.product(*ranges)]
