@@ -171,3 +171,27 @@ def test_rule_declines_exactly_uneven_scales_on_the_u55_family(target, values):
     assert per_channel_scale_into_transposed_conv(scale) is None  # no target: plain TOSA
     before_calibration = per_channel_scale_into_transposed_conv(scale, before_calibration=True)
     assert (before_calibration is not None) == uneven  # no NPU named while quantizing
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("quantizer", ["ethos-u", "tosa"])
+@pytest.mark.parametrize("target", [U55, U85])
+def test_conv_scale_net_costs_no_cycles_against_stock(target, quantizer):
+    """The model as its issue gave it (seed 7), quantized naming the NPU or not."""
+    from etfold.demo_models.arm_conv_scale import CONV_SCALE_NET
+
+    build, calibration = CONV_SCALE_NET
+    module, inputs = build()
+
+    def lowered():
+        if quantizer == "tosa":
+            quantized = quantize_for_tosa(module, inputs, calibration=calibration())
+        else:
+            quantized = quantize_for_ethos_u(module, inputs, target, calibration=calibration())
+        return lower_ethos_u(quantized, target)
+
+    stock = lowered()
+    with arm_folds_registered():
+        etfold = lowered()
+    assert etfold.operator_counts()["MUL"] < stock.operator_counts()["MUL"]
+    assert etfold.estimate.total_cycles <= stock.estimate.total_cycles
