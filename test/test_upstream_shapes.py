@@ -54,3 +54,19 @@ def test_xnnpack_partitioner_constructor():
 
     params = list(inspect.signature(XnnpackPartitioner.__init__).parameters)
     assert params[:5] == ["self", "configs", "config_precisions", "per_op_mode", "verbose"]
+
+
+def test_every_lowering_speedup_finds_what_it_replaces_on_the_pinned_versions():
+    """On the tested versions no speed-up is switched off; elsewhere they all are, loudly."""
+    import etfold.backends.xnnpack  # noqa: F401  (registers its speed-up)
+    from etfold.exir.program.lazy_graph_modules import PATCH as LAZY_GRAPH_MODULES
+    from etfold.exir.program.speedups import (
+        TORCH_PATCHES,
+        registered_speedups,
+        untested_versions,
+        why_unavailable,
+    )
+
+    assert untested_versions() == []
+    assert registered_speedups()
+    assert why_unavailable((*TORCH_PATCHES, *registered_speedups(), LAZY_GRAPH_MODULES)) is None
