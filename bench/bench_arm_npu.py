@@ -23,7 +23,8 @@
    models, summed into one TinyML row per target. Then, per model and target,
    Vela's per-layer cycles stock vs etfold where they differ (layers matched in
    schedule order by operator), so a regression names its layer.
-   `--no-precision` skips the precision half (Vela cycles only).
+   `--no-precision` skips the precision half (Vela cycles only); `--no-unfolded`
+   lowers stock and etfold only.
    `--quantizer tosa` quantizes with TOSAQuantizer (a TOSA spec: the NPU is not
    named until lowering) instead of EthosUQuantizer; folds made before
    calibration then cannot ask which NPU the program is for.
@@ -108,7 +109,13 @@ QUANTIZERS = {
         module, inputs, calibration=calibration
     ),
 }
-settings = {"quantizer": "ethos-u", "calibration": 16, "held_out": 4, "precision": True}
+settings = {
+    "quantizer": "ethos-u",
+    "calibration": 16,
+    "held_out": 4,
+    "precision": True,
+    "unfolded": True,
+}
 # etfold may be no less precise than the unfolded lowering, within these (LSB)
 MAX_ERROR_SLACK, MEAN_ERROR_SLACK = 0.5, 0.05
 
@@ -133,7 +140,7 @@ def _measure(model, target: str) -> dict[str, tuple]:
     held_out = _samples_like(inputs, settings["held_out"], seed=7)
     quantize = QUANTIZERS[settings["quantizer"]]
     results = {}
-    for flavour, context in FLAVOURS.items():
+    for flavour, context in _flavours().items():
         with context(), collect_decisions() as decisions:
             quantized = quantize(copy.deepcopy(module), inputs, target, calibration)
             program = lower_ethos_u(quantized, target)
@@ -148,6 +155,20 @@ def _measure(model, target: str) -> dict[str, tuple]:
         unique = list(dict.fromkeys(decisions))
         results[flavour] = (program.estimate, program.operator_counts(), unique, errors)
     return results
+
+
+def _flavours() -> dict:
+    return {f: c for f, c in FLAVOURS.items() if settings["unfolded"] or f != "unfolded"}
+
+
+def _cycles_cell(estimate) -> str:
+    return f"{estimate.total_cycles:>9}" if estimate is not None else f"{'-':>9}"
+
+
+def _ratio_cell(numerator, denominator) -> str:
+    if denominator is None:
+        return f"{'-':>7}"
+    return f"{numerator / denominator:>7.3f}"
 
 
 def _samples_like(inputs: tuple, count: int, seed: int) -> list[tuple]:
@@ -175,13 +196,14 @@ def _errors_against_eager(program, module, held_out) -> tuple[float, float]:
 
 
 def print_row(name: str, target: str, results: dict[str, tuple]) -> None:
-    stock, etfold, unfolded = (results[f][0] for f in ("stock", "etfold", "unfolded"))
-    counts = {f: results[f][1] for f in FLAVOURS}
+    stock, etfold = results["stock"][0], results["etfold"][0]
+    unfolded = results["unfolded"][0] if "unfolded" in results else None
+    counts = {f: results[f][1] for f in results}
     print(
         f"{name:<27} {target:<14} "
-        f"{unfolded.total_cycles:>9} {stock.total_cycles:>9} {etfold.total_cycles:>9} "
+        f"{_cycles_cell(unfolded)} {stock.total_cycles:>9} {etfold.total_cycles:>9} "
         f"{etfold.total_cycles / stock.total_cycles:>7.3f} "
-        f"{etfold.total_cycles / unfolded.total_cycles:>7.3f} "
+        f"{_ratio_cell(etfold.total_cycles, unfolded and unfolded.total_cycles)} "
         f"{etfold.npu_cycles / stock.npu_cycles:>7.3f} "
         f"{counts['stock']['MUL']:>3}/{counts['etfold']['MUL']:<3} "
         f"{_ops(counts['stock']):>4}/{_ops(counts['etfold']):<4}"
@@ -242,12 +264,15 @@ def print_layer_diffs(names, targets) -> None:
 def print_tinyml_row(targets) -> None:
     for target in targets:
         totals = {
-            f: sum(_measured[n, target][f][0].total_cycles for n in TINYML_MODELS) for f in FLAVOURS
+            f: sum(_measured[n, target][f][0].total_cycles for n in TINYML_MODELS)
+            for f in _flavours()
         }
+        unfolded = totals.get("unfolded")
         print(
             f"{'TinyML (MLPerf Tiny, sum)':<27} {target:<14} "
-            f"{totals['unfolded']:>9} {totals['stock']:>9} {totals['etfold']:>9} "
-            f"{totals['etfold'] / totals['stock']:>7.3f} {totals['etfold'] / totals['unfolded']:>7.3f}"
+            f"{unfolded if unfolded is not None else '-':>9} {totals['stock']:>9} "
+            f"{totals['etfold']:>9} {totals['etfold'] / totals['stock']:>7.3f} "
+            f"{_ratio_cell(totals['etfold'], unfolded)}"
         )
 
 
@@ -276,13 +301,15 @@ def bench_models(names, targets) -> None:
     if set(TINYML_MODELS) <= set(names):
         print_tinyml_row(targets)
     print_layer_diffs(names, targets)
-    print(
-        "\nerror vs fp32 eager on the TOSA reference model, max/mean LSB (same quantized programs)"
-    )
-    print(f"{'model':<27} {'target':<14}" + "".join(f" {f:>15}" for f in FLAVOURS))
-    for name in names:
-        for target in targets:
-            print_error_row(name, target, measure(models[name], target))
+    if settings["precision"] and settings["unfolded"]:
+        print(
+            "\nerror vs fp32 eager on the TOSA reference model, max/mean LSB"
+            " (same quantized programs)"
+        )
+        print(f"{'model':<27} {'target':<14}" + "".join(f" {f:>15}" for f in FLAVOURS))
+        for name in names:
+            for target in targets:
+                print_error_row(name, target, measure(models[name], target))
     print("etfold decisions:")
     print("\n".join(dict.fromkeys(notes)))
 
@@ -362,6 +389,9 @@ def main() -> None:
     parser.add_argument(
         "--no-precision", action="store_true", help="Vela cycles only: no TOSA reference runs"
     )
+    parser.add_argument(
+        "--no-unfolded", action="store_true", help="lower stock and etfold only (no precision)"
+    )
     parser.add_argument("--rollout-steps", type=int, default=1000)
     parser.add_argument("--skip-rollout", action="store_true")
     args = parser.parse_args()
@@ -370,6 +400,7 @@ def main() -> None:
         calibration=args.calibration_samples,
         held_out=args.held_out,
         precision=not args.no_precision,
+        unfolded=not args.no_unfolded,
     )
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
