@@ -4,9 +4,9 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""Upstream's XNNPACK op tests for `_to_copy`, GELU, conv1d, and the ops etfold's
-exact rewrites produce (mean, mul, slice, cat), run in place from the executorch
-wheel with etfold's lowering substituted at the narrowest points:
+"""Upstream's whole XNNPACK op suite (every module of `backends/xnnpack/test/ops`), run
+in place from the executorch wheel with etfold's lowering substituted at the
+narrowest points:
 
 - the harness stage's `to_edge_transform_and_lower` -> etfold's;
 - the XNNPACK tester's default `XnnpackPartitioner` -> etfold's;
@@ -14,14 +14,19 @@ wheel with etfold's lowering substituted at the narrowest points:
   -> etfold's.
 
 A test left out below is a deliberate difference, documented in CONTRIBUTING.md
-under "Deliberate differences from upstream". The rewrites' modules run in full
-in the long profile; `make test` runs one fp32 and one fp16 test of each (and
-conv1d's plain int8 test, and every `_to_copy` test but the quantized one).
+under "Deliberate differences from upstream", or one that fails on stock
+ExecuTorch as well (`STOCK_FAILURES`; the long profile runs each on stock and
+checks it still fails there). The whole suite runs in the long profile; `make test`
+samples it: one fp32 and one fp16 test of each module etfold's rewrites touch
+(and conv1d's plain int8 test, every `_to_copy` test but the quantized one), and
+one test each of a few other modules.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import pkgutil
 import unittest
 
 import pytest
@@ -33,16 +38,8 @@ from etfold.exir.passes.constant_prop_pass import constant_prop_pass
 OPS = "executorch.backends.xnnpack.test.ops"
 STAGE = "executorch.backends.test.harness.stages.to_edge_transform_and_lower"
 TESTER = "executorch.backends.xnnpack.test.tester.tester"
-MODULES = {
-    f"{OPS}.test_to_copy": "TestChannelsLastTaggedReshapePass",
-    f"{OPS}.test_gelu": "TestGelu",
-    f"{OPS}.test_conv1d": "TestConv1d",
-    f"{OPS}.test_mean_dim": "TestMeanDim",
-    f"{OPS}.test_multiply": "TestMul",
-    f"{OPS}.test_slice_copy": "TestSliceCopy",
-    f"{OPS}.test_cat": "TestCat",
-}
-# modules whose other tests run in the long profile only
+
+# what `make test` runs of each module; every other test runs in the long profile only
 SAMPLED = {
     "test_conv1d": {"test_fp32_conv1d", "test_fp16_conv1d", "test_qs8_conv1d"},
     "test_to_copy": {
@@ -55,9 +52,16 @@ SAMPLED = {
     "test_multiply": {"test_fp32_mul", "test_fp16_mul"},
     "test_slice_copy": {"test_fp32_slice_copy", "test_fp16_slice_copy"},
     "test_cat": {"test_fp32_cat3", "test_fp16_cat3"},
+    "test_add": {"test_fp32_add"},
+    "test_softmax": {"test_fp32_softmax"},
+    "test_permute": {"test_fp32_permute"},
 }
 # what each module may have imported for itself -> etfold's replacement
 REPLACEMENTS = {"XnnpackPartitioner": XnnpackPartitioner, "constant_prop_pass": constant_prop_pass}
+STOCK_INT4_FAILURE = (
+    "the 4-bit per-channel dynamically quantized linear fails with upstream's own partitioner "
+    "and lowering (test_a_stock_failure_fails_on_stock_too)"
+)
 # test id -> why etfold differs on purpose (CONTRIBUTING.md, "Deliberate differences from upstream")
 DELIBERATE = {
     "test_gelu::test_fp16_gelu": (
@@ -70,17 +74,48 @@ DELIBERATE = {
     ),
 }
 
+# test id -> how it fails on stock executorch 1.5.1 as well (checked on stock below)
+STOCK_FAILURES = {
+    "test_linear::test_linear_qd8_f32_per_channel_int4": STOCK_INT4_FAILURE,
+}
 
-def _cases():
-    for module_name, class_name in MODULES.items():
-        case_class = getattr(importlib.import_module(module_name), class_name)
-        for name in unittest.TestLoader().getTestCaseNames(case_class):
-            short_name = module_name.rsplit(".", 1)[1]
-            test_id = f"{short_name}::{name}"
-            marks = [pytest.mark.skip(reason=DELIBERATE[test_id])] if test_id in DELIBERATE else []
-            if short_name in SAMPLED and name not in SAMPLED[short_name]:
-                marks.append(pytest.mark.long)
-            yield pytest.param(module_name, class_name, name, id=test_id, marks=marks)
+
+def _test_classes(module) -> list[type[unittest.TestCase]]:
+    return [
+        cls
+        for _, cls in inspect.getmembers(module, inspect.isclass)
+        if issubclass(cls, unittest.TestCase) and cls.__module__ == module.__name__
+    ]
+
+
+MODULES = {
+    f"{OPS}.{info.name}": _test_classes(importlib.import_module(f"{OPS}.{info.name}"))
+    for info in pkgutil.iter_modules(importlib.import_module(OPS).__path__)
+    if info.name.startswith("test_")
+}
+
+
+def _marks(short_name: str, test_id: str, name: str) -> list:
+    marks = []
+    if test_id in DELIBERATE:
+        marks.append(pytest.mark.skip(reason=DELIBERATE[test_id]))
+    if test_id in STOCK_FAILURES:
+        marks.append(pytest.mark.skip(reason=f"fails on stock too: {STOCK_FAILURES[test_id]}"))
+    if name not in SAMPLED.get(short_name, ()):
+        marks.append(pytest.mark.long)
+    return marks
+
+
+def _cases(selected=None):
+    for module_name, classes in MODULES.items():
+        short_name = module_name.rsplit(".", 1)[1]
+        for case_class in classes:
+            for name in unittest.TestLoader().getTestCaseNames(case_class):
+                test_id = f"{short_name}::{name}"
+                if selected is not None and test_id not in selected:
+                    continue
+                marks = _marks(short_name, test_id, name) if selected is None else []
+                yield pytest.param(module_name, case_class.__name__, name, id=test_id, marks=marks)
 
 
 @pytest.fixture
@@ -107,15 +142,33 @@ def test_substitution_reaches_the_lowering_stage(etfold_lowering):
     assert stage.to_edge_transform_and_lower is etfold.exir.to_edge_transform_and_lower
 
 
-@pytest.mark.parametrize("module_name,class_name,test_name", list(_cases()))
-def test_upstream_xnnpack_op_test_passes_with_etfold(
-    module_name, class_name, test_name, etfold_lowering
-):
+def _run(module_name: str, class_name: str, test_name: str) -> unittest.TestResult:
     case_class = getattr(importlib.import_module(module_name), class_name)
     result = unittest.TestResult()
     unittest.TestSuite([case_class(test_name)]).run(result)
     if result.skipped:
         pytest.skip("; ".join(reason for _, reason in result.skipped))
+    assert result.testsRun == 1
+    return result
+
+
+def test_the_suite_is_every_module_of_upstreams_ops_package():
+    assert len(MODULES) >= 48 and all(MODULES.values())
+    assert set(DELIBERATE) | set(STOCK_FAILURES) <= {p.id for p in _cases()}
+
+
+@pytest.mark.parametrize("module_name,class_name,test_name", list(_cases()))
+def test_upstream_xnnpack_op_test_passes_with_etfold(
+    module_name, class_name, test_name, etfold_lowering
+):
+    result = _run(module_name, class_name, test_name)
     problems = result.errors + result.failures
     assert not problems, "\n".join(trace for _, trace in problems)
-    assert result.testsRun == 1
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("module_name,class_name,test_name", list(_cases(STOCK_FAILURES)))
+def test_a_stock_failure_fails_on_stock_too(module_name, class_name, test_name):
+    """Upstream's own lowering, nothing substituted: the test fails there as well."""
+    result = _run(module_name, class_name, test_name)
+    assert result.errors + result.failures, "passes on stock now: run it against etfold again"
