@@ -407,3 +407,36 @@ def known_contiguous(value: torch.Tensor) -> bool:
     from torch._prims_common import is_contiguous_or_false
 
     return bool(is_contiguous_or_false(value))
+
+
+def add_lifted_constant(ep: ExportedProgram, target: str, tensor: torch.Tensor) -> torch.fx.Node:
+    """A new lifted tensor constant `target` (a name the program does not hold yet) with
+    `tensor` as its value: its placeholder after the program's parameters, buffers and
+    constants (in torch.export's order), its input spec, its entry in `ep.constants`."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.export.graph_signature import InputSpec, TensorArgument
+
+    if target in ep.constants or target in ep.state_dict:
+        raise ValueError(f"the program already holds a constant named {target!r}")
+    kinds = input_kinds(ep)
+    holders = placeholders(ep)
+    rank = PLACEHOLDER_RANK[InputKind.CONSTANT_TENSOR]
+    position = sum(
+        PLACEHOLDER_RANK[kinds.get(n.name, InputKind.USER_INPUT)] <= rank for n in holders
+    )
+    if position < len(holders):
+        inserting = ep.graph.inserting_before(holders[position])
+    else:
+        inserting = (
+            ep.graph.inserting_after(holders[-1]) if holders else ep.graph.inserting_before()
+        )
+    with inserting:
+        node = ep.graph.placeholder(target.replace(".", "_"))
+    node.target = node.name
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in holders]) or FakeTensorMode()
+    node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
+    ep.constants[target] = tensor
+    spec = InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(name=node.name), target)
+    ep.graph_signature.input_specs.insert(position, spec)
+    return node

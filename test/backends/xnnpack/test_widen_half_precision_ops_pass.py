@@ -30,6 +30,7 @@ from etfold.backends.xnnpack._passes.widen_half_precision_ops_pass import (
 from etfold.decisions import Declined, collect_decisions
 from etfold.exir import to_edge_transform_and_lower
 from etfold.harness.demo_lowerings import lowered_demo
+from etfold.harness.dynamic_shapes import lower_dynamic
 from etfold.harness.xnnpack_runner import eager_outputs, lower_xnnpack, max_abs_error
 
 aten = torch.ops.aten
@@ -382,3 +383,39 @@ def test_matmuls_with_a_kernel_in_their_dtype_are_left_alone(dtype, shapes):
     with collect_decisions() as decisions:
         assert widen_half_precision_ops(program) is program
     assert str(program.graph) == before and not decisions
+
+
+# ---- dynamic shapes: the rows are a torch.export.Dim; the widening reads no size
+
+
+@functools.cache
+def _widened_dynamic(op: str, dtype: torch.dtype, width: int):
+    module, inputs, _ = _case(op, dtype, width)
+    rows = torch.export.Dim("rows", min=2, max=24)
+    lowered, decisions = lower_dynamic(
+        module, inputs, ({0: rows},), [XnnpackPartitioner()], lower=to_edge_transform_and_lower
+    )
+    return module, lowered, decisions
+
+
+@pytest.mark.parametrize(
+    "op,dtype,width", [("gelu", torch.float16, 768), ("softmax", torch.bfloat16, 512)]
+)
+def test_a_dynamic_export_is_widened_as_the_static_one(op, dtype, width):
+    _, _, _, static_decisions, _ = _widened(op, dtype, width)
+    _, lowered, decisions = _widened_dynamic(op, dtype, width)
+    assert [(d.where, d.detail) for d in decisions if d.fold == FOLD] == [
+        (d.where, d.detail) for d in static_decisions if d.fold == FOLD
+    ]
+    assert not lowered.constant_work_outside()
+
+
+@pytest.mark.parametrize("rows", [2, 24], ids=["min", "max"])
+@pytest.mark.parametrize(
+    "op,dtype,width", [("gelu", torch.float16, 768), ("softmax", torch.bfloat16, 512)]
+)
+def test_dynamic_widened_ops_match_fp32_eager_at_the_bounds(op, dtype, width, rows):
+    module, lowered, _ = _widened_dynamic(op, dtype, width)
+    x = (torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)) + 0.5).to(dtype)
+    expected = eager_outputs(copy.deepcopy(module).float(), (x.float(),))
+    assert _error(lowered.run(x), expected) <= 1.01 * _ulp_error(expected, dtype)
