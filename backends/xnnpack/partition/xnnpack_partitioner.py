@@ -16,7 +16,6 @@ Drop-in: the same constructor arguments as upstream's, plus
 from __future__ import annotations
 
 import contextvars
-import functools
 import sys
 
 import torch
@@ -29,41 +28,15 @@ from executorch.exir.dialects._ops import ops as exir_ops
 from executorch.exir.program._program import _default_decomposition_table
 from torch.export import ExportedProgram
 
-from etfold.backends.xnnpack._passes.contiguous_last_axis_inputs_pass import (
-    read_last_axis_normalizations_contiguous,
-)
 from etfold.backends.xnnpack._passes.dtype_convert_match import DtypeConvert, match_dtype_convert
-from etfold.backends.xnnpack._passes.expand_as_delegated_ops_pass import (
-    BROADCASTING_OPS,
-    COPY_TARGETS,
-    expands_as_delegated_ops,
-)
 from etfold.backends.xnnpack._passes.last_axis_ops_read_nchw import (
     LAYOUT_GUARD_SPEC,
     needs_layout_guard,
 )
-from etfold.backends.xnnpack._passes.layer_norm_as_delegated_ops_pass import (
-    DELEGATED_TARGETS,
-    layer_norms_as_delegated_ops,
-)
-from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
-    means_over_last_dim_as_pooling,
-)
-from etfold.backends.xnnpack._passes.mul_scalar_as_tensor_pass import mul_scalars_as_tensors
-from etfold.backends.xnnpack._passes.safe_softmax_as_softmax_pass import (
-    safe_softmaxes_as_softmax,
-)
-from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import (
-    delegated_op_names,
-    shape_ops_as_views,
-)
-from etfold.backends.xnnpack._passes.split_as_slices_pass import splits_as_slices
-from etfold.backends.xnnpack._passes.widen_half_precision_ops_pass import widen_half_precision_ops
 from etfold.backends.xnnpack.install import DTYPE_CONVERTS_SPEC, hold_for, is_marked
 from etfold.backends.xnnpack.partition.bf16_delegation import (
     bf16_applies,
     bf16_scope,
-    bf16_setting,
     bf16_settings,
 )
 from etfold.backends.xnnpack.partition.config.convert_config import with_dtype_convert_configs
@@ -72,15 +45,10 @@ from etfold.backends.xnnpack.partition.config.dynamic_slice_config import (
     with_dynamic_slice_config,
 )
 from etfold.backends.xnnpack.partition.constant_layout_conflicts import find_layout_conflicts
+from etfold.backends.xnnpack.partition.pre_decomposition_rewrites import run_rewrites
 from etfold.backends.xnnpack.partition.shape_op_partitions import settle_shape_op_views
-from etfold.backends.xnnpack.partition.weight_fold import fold_gemm_weights
-from etfold.backends.xnnpack.partition.weight_fold_seeds import seed_slots
 from etfold.backends.xnnpack.partitioner_caller_check import called_through_deprecated_to_backend
 from etfold.decisions import record_declined
-from etfold.exir.passes.inline_autocast_regions_pass import inline_autocast_regions
-from etfold.exir.passes.own_constants_before_batch_norm_fusion_pass import (
-    own_constants_before_batch_norm_fusion,
-)
 from etfold.exir.program.lower import mark_for_lowering
 from etfold.exir.program.method_marks import methods_judged
 from etfold.exir.program.upstream_lowering import upstream_lowering_in_progress
@@ -115,62 +83,12 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         # upstream's kwargs carry enable_bf16; absent means "not set" (bf16 follows the program)
         self._user_enable_bf16 = kwargs.get("enable_bf16")
 
-    # ---- weight fold: parameter-only GEMM weights become static before partitioning
+    # ---- the pre-decomposition rewrites: weight fold, exact rewrites, layout guards
     def transform_for_pre_decomposition(self, exported_program: ExportedProgram) -> ExportedProgram:
+        """Upstream's, then the rewrites this partitioner enables, in their declared
+        order (`pre_decomposition_rewrites.PRE_DECOMPOSITION_REWRITES`)."""
         exported_program = super().transform_for_pre_decomposition(exported_program)
-        exported_program = self._judged_across_methods(exported_program)
-        exported_program = own_constants_before_batch_norm_fusion(exported_program)
-        if self.fold_weights or self.delegate_dtype_converts:
-            exported_program = inline_autocast_regions(exported_program)
-        if self.delegate_dtype_converts:
-            exported_program = widen_half_precision_ops(exported_program)
-        exported_program = read_last_axis_normalizations_contiguous(exported_program)
-        # ExecuTorch's table, built at most once per call: building it walks every composite op
-        lowerings_table = functools.cache(lambda: dict(_default_decomposition_table().items()))
-        if self.fold_weights:
-            slots = seed_slots(self.target_partitioner_configs.values())
-            exported_program = fold_gemm_weights(
-                exported_program,
-                slots,
-                self._decomposition_table(exported_program, lowerings_table()),
-            )
-        configs, user_bf16 = self.target_partitioner_configs, self._user_enable_bf16
-        bf16 = bf16_applies(exported_program, user_bf16)
-        if not self.per_op_mode and "_softmax.default" in configs:
-            # before the expands: it decomposes SDPA, whose expands that pass then sees
-            exported_program = safe_softmaxes_as_softmax(
-                exported_program, self._decomposition_table(exported_program, lowerings_table())
-            )
-        if not self.per_op_mode and set(COPY_TARGETS) <= configs.keys():
-            # before the shape ops: an unsqueeze beside an expand joins no delegate
-            exported_program = expands_as_delegated_ops(
-                exported_program,
-                self._decomposition_table(exported_program, lowerings_table()),
-                [op for op, target in BROADCASTING_OPS.items() if target in configs],
-                bf16=bf16 and bf16_setting("cat.default", user_bf16),
-            )
-        exported_program = self._shape_ops_as_views(exported_program)
-        if not self.per_op_mode and set(DELEGATED_TARGETS) <= configs.keys():
-            # before the mean pass, which writes its means as pooling
-            exported_program = layer_norms_as_delegated_ops(
-                exported_program,
-                bf16=bf16 and all(bf16_setting(t, user_bf16) for t in DELEGATED_TARGETS),
-            )
-        if not self.per_op_mode and {"mean.dim", "view_copy.default"} <= configs.keys():
-            exported_program = means_over_last_dim_as_pooling(
-                exported_program, bf16=bf16 and bf16_setting("mean.dim", user_bf16)
-            )
-        if "slice_copy.Tensor" in configs:
-            exported_program = splits_as_slices(
-                exported_program, bf16=bf16 and bf16_setting("slice_copy.Tensor", user_bf16)
-            )
-        if "mul.Tensor" in configs:
-            exported_program = mul_scalars_as_tensors(
-                exported_program,
-                self._decomposition_table(exported_program, lowerings_table()),
-                bf16=bf16 and bf16_setting("mul.Tensor", user_bf16),
-            )
-        return exported_program
+        return run_rewrites(self, exported_program)
 
     @staticmethod
     def _judged_across_methods(exported_program: ExportedProgram) -> ExportedProgram:
@@ -188,16 +106,6 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         }
         mark_for_lowering(copies)
         return judged
-
-    def _shape_ops_as_views(self, exported_program: ExportedProgram) -> ExportedProgram:
-        # per-op mode draws one delegate per op: a squeeze or unsqueeze would join none
-        if self.per_op_mode or "view_copy.default" not in self.target_partitioner_configs:
-            return exported_program
-        bf16 = bf16_applies(exported_program, self._user_enable_bf16) and bf16_setting(
-            "view_copy.default", self._user_enable_bf16
-        )
-        delegated = delegated_op_names(self.target_partitioner_configs)
-        return shape_ops_as_views(exported_program, delegated, bf16=bf16)
 
     def _decomposition_table(
         self, exported_program: ExportedProgram, lowerings: dict | None = None

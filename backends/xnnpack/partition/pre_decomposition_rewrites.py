@@ -1,0 +1,255 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""The rewrites etfold's XnnpackPartitioner runs before decomposition, declared.
+
+Each entry states what it needs and what must run before it:
+- `settings`: the partitioner flags that enable it (any of them; none: always);
+- `configs`: the partitioner config targets its rewritten ops need, all present;
+- `graph_mode_only`: skipped in per-op mode, where a rewritten op would join no
+  delegate (one delegate per op);
+- `bf16_ops`: the config targets whose bf16 setting its rewritten ops run with;
+- `reads_table`: it reads the lowering's decomposition table (less the kept ops);
+- `after`: the rewrites that must run before it, each with why.
+
+`run_rewrites` runs the enabled entries in the declared order; `check_order` (run
+on import) fails when an entry names a rewrite that is not declared before it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from executorch.exir.program._program import _default_decomposition_table
+from torch.export import ExportedProgram
+
+from etfold.backends.xnnpack._passes.contiguous_last_axis_inputs_pass import (
+    read_last_axis_normalizations_contiguous,
+)
+from etfold.backends.xnnpack._passes.expand_as_delegated_ops_pass import (
+    BROADCASTING_OPS,
+    COPY_TARGETS,
+    expands_as_delegated_ops,
+)
+from etfold.backends.xnnpack._passes.layer_norm_as_delegated_ops_pass import (
+    DELEGATED_TARGETS,
+    layer_norms_as_delegated_ops,
+)
+from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
+    means_over_last_dim_as_pooling,
+)
+from etfold.backends.xnnpack._passes.mul_scalar_as_tensor_pass import mul_scalars_as_tensors
+from etfold.backends.xnnpack._passes.safe_softmax_as_softmax_pass import (
+    safe_softmaxes_as_softmax,
+)
+from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import (
+    delegated_op_names,
+    shape_ops_as_views,
+)
+from etfold.backends.xnnpack._passes.split_as_slices_pass import splits_as_slices
+from etfold.backends.xnnpack._passes.widen_half_precision_ops_pass import widen_half_precision_ops
+from etfold.backends.xnnpack.partition.bf16_delegation import bf16_applies, bf16_setting
+from etfold.backends.xnnpack.partition.weight_fold import fold_gemm_weights
+from etfold.backends.xnnpack.partition.weight_fold_seeds import seed_slots
+from etfold.exir.passes.inline_autocast_regions_pass import inline_autocast_regions
+from etfold.exir.passes.own_constants_before_batch_norm_fusion_pass import (
+    own_constants_before_batch_norm_fusion,
+)
+
+
+@dataclass(frozen=True)
+class RewriteInputs:
+    """What one rewrite reads besides the program: the partitioner, whether its ops
+    run in bf16 here, and the decomposition table (None unless it declares it reads it)."""
+
+    partitioner: object
+    bf16: bool
+    table: dict | None
+
+
+@dataclass(frozen=True)
+class PreDecompositionRewrite:
+    name: str
+    run: Callable[[ExportedProgram, RewriteInputs], ExportedProgram]
+    settings: tuple[str, ...] = ()
+    configs: frozenset[str] = frozenset()
+    graph_mode_only: bool = False
+    bf16_ops: tuple[str, ...] = ()
+    reads_table: bool = False
+    after: tuple[tuple[str, str], ...] = ()  # (rewrite, why it must run first)
+
+    def enabled(self, partitioner) -> bool:
+        """Whether `partitioner`'s flags, mode and configs call for this rewrite."""
+        if self.settings and not any(getattr(partitioner, s) for s in self.settings):
+            return False
+        if self.graph_mode_only and partitioner.per_op_mode:
+            return False
+        return self.configs <= partitioner.target_partitioner_configs.keys()
+
+
+def _configs(inputs: RewriteInputs):
+    return inputs.partitioner.target_partitioner_configs
+
+
+def _fold_weights(program: ExportedProgram, inputs: RewriteInputs) -> ExportedProgram:
+    slots = seed_slots(_configs(inputs).values())
+    return fold_gemm_weights(program, slots, inputs.table)
+
+
+def _expands(program: ExportedProgram, inputs: RewriteInputs) -> ExportedProgram:
+    broadcasting = [op for op, target in BROADCASTING_OPS.items() if target in _configs(inputs)]
+    return expands_as_delegated_ops(program, inputs.table, broadcasting, bf16=inputs.bf16)
+
+
+def _shape_ops(program: ExportedProgram, inputs: RewriteInputs) -> ExportedProgram:
+    delegated = delegated_op_names(_configs(inputs))
+    return shape_ops_as_views(program, delegated, bf16=inputs.bf16)
+
+
+_MARKS = ("judged_across_methods", "reads the marks of constants other methods read or write")
+
+PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
+    PreDecompositionRewrite(
+        "judged_across_methods",
+        lambda program, inputs: inputs.partitioner._judged_across_methods(program),
+    ),
+    PreDecompositionRewrite(
+        "own_constants_before_batch_norm_fusion",
+        lambda program, _: own_constants_before_batch_norm_fusion(program),
+    ),
+    PreDecompositionRewrite(
+        "inline_autocast_regions",
+        lambda program, _: inline_autocast_regions(program),
+        settings=("fold_weights", "delegate_dtype_converts"),
+    ),
+    PreDecompositionRewrite(
+        "widen_half_precision_ops",
+        lambda program, _: widen_half_precision_ops(program),
+        settings=("delegate_dtype_converts",),
+        after=(("inline_autocast_regions", "sees the half-precision ops autocast regions hold"),),
+    ),
+    PreDecompositionRewrite(
+        "read_last_axis_normalizations_contiguous",
+        lambda program, _: read_last_axis_normalizations_contiguous(program),
+    ),
+    PreDecompositionRewrite(
+        "fold_gemm_weights",
+        _fold_weights,
+        settings=("fold_weights",),
+        reads_table=True,
+        after=(_MARKS, ("inline_autocast_regions", "folds the weights autocast regions read")),
+    ),
+    PreDecompositionRewrite(
+        "safe_softmaxes_as_softmax",
+        lambda program, inputs: safe_softmaxes_as_softmax(program, inputs.table),
+        configs=frozenset({"_softmax.default"}),
+        graph_mode_only=True,
+        reads_table=True,
+        after=(_MARKS,),
+    ),
+    PreDecompositionRewrite(
+        "expands_as_delegated_ops",
+        _expands,
+        configs=frozenset(COPY_TARGETS),
+        graph_mode_only=True,
+        bf16_ops=("cat.default",),
+        reads_table=True,
+        after=(("safe_softmaxes_as_softmax", "it decomposes SDPA, whose expands this sees"),),
+    ),
+    PreDecompositionRewrite(
+        "shape_ops_as_views",
+        _shape_ops,
+        configs=frozenset({"view_copy.default"}),
+        graph_mode_only=True,
+        bf16_ops=("view_copy.default",),
+        after=(("expands_as_delegated_ops", "an unsqueeze beside an expand joins no delegate"),),
+    ),
+    PreDecompositionRewrite(
+        "layer_norms_as_delegated_ops",
+        lambda program, inputs: layer_norms_as_delegated_ops(program, bf16=inputs.bf16),
+        configs=frozenset(DELEGATED_TARGETS),
+        graph_mode_only=True,
+        bf16_ops=DELEGATED_TARGETS,
+        after=(
+            (
+                "read_last_axis_normalizations_contiguous",
+                "a channels-last norm reads its contiguous copy",
+            ),
+        ),
+    ),
+    PreDecompositionRewrite(
+        "means_over_last_dim_as_pooling",
+        lambda program, inputs: means_over_last_dim_as_pooling(program, bf16=inputs.bf16),
+        configs=frozenset({"mean.dim", "view_copy.default"}),
+        graph_mode_only=True,
+        bf16_ops=("mean.dim",),
+        after=(("layer_norms_as_delegated_ops", "writes the layer norms' means as pooling"),),
+    ),
+    PreDecompositionRewrite(
+        "splits_as_slices",
+        lambda program, inputs: splits_as_slices(program, bf16=inputs.bf16),
+        configs=frozenset({"slice_copy.Tensor"}),
+        bf16_ops=("slice_copy.Tensor",),
+    ),
+    PreDecompositionRewrite(
+        "mul_scalars_as_tensors",
+        lambda program, inputs: mul_scalars_as_tensors(program, inputs.table, bf16=inputs.bf16),
+        configs=frozenset({"mul.Tensor"}),
+        bf16_ops=("mul.Tensor",),
+        reads_table=True,
+    ),
+)
+
+
+class RewriteOrderError(RuntimeError):
+    """A declared rewrite needs one that is not declared before it."""
+
+
+def check_order(rewrites: Sequence[PreDecompositionRewrite]) -> None:
+    seen: set[str] = set()
+    for rewrite in rewrites:
+        if rewrite.name in seen:
+            raise RewriteOrderError(f"`{rewrite.name}` is declared twice")
+        for before, why in rewrite.after:
+            if before not in seen:
+                raise RewriteOrderError(
+                    f"`{rewrite.name}` must run after `{before}` ({why}), "
+                    "which is not declared before it"
+                )
+        seen.add(rewrite.name)
+
+
+check_order(PRE_DECOMPOSITION_REWRITES)
+
+
+def run_rewrites(
+    partitioner,
+    program: ExportedProgram,
+    rewrites: Sequence[PreDecompositionRewrite] = PRE_DECOMPOSITION_REWRITES,
+) -> ExportedProgram:
+    """`program` through every rewrite `partitioner` enables, in the declared order."""
+    # ExecuTorch's table, built at most once per call: building it walks every composite op
+    lowerings = functools.cache(lambda: dict(_default_decomposition_table().items()))
+    for rewrite in rewrites:
+        if not rewrite.enabled(partitioner):
+            continue
+        table = (
+            partitioner._decomposition_table(program, lowerings()) if rewrite.reads_table else None
+        )
+        inputs = RewriteInputs(partitioner, runs_in_bf16(rewrite, partitioner, program), table)
+        program = rewrite.run(program, inputs)
+    return program
+
+
+def runs_in_bf16(rewrite: PreDecompositionRewrite, partitioner, program: ExportedProgram) -> bool:
+    """The rewrite's ops run in bf16: bf16 applies to the program it reads, and the
+    lowering enables bf16 for each of its `bf16_ops`."""
+    user_bf16 = partitioner._user_enable_bf16
+    if not rewrite.bf16_ops or not bf16_applies(program, user_bf16):
+        return False
+    return all(bf16_setting(op, user_bf16) for op in rewrite.bf16_ops)
