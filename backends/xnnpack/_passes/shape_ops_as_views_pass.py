@@ -65,6 +65,7 @@ _SQUEEZES = frozenset({aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default
 _SHAPE_OPS = _SQUEEZES | {aten.unsqueeze.default}
 # views whose size argument may hold symbolic sizes (`_unsafe_view`: matmul's decomposition)
 _VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+_FLATTENS = frozenset({aten.flatten.using_ints, aten.unflatten.int})
 # ATen ops that reach a delegated edge op under another name after decomposition
 _DECOMPOSES_TO_DELEGATED = frozenset(
     {
@@ -137,13 +138,23 @@ def view_shape(value: torch.Tensor) -> tuple[int, ...] | Declined:
     return tuple(-1 if i in symbolic else size for i, size in enumerate(value.shape))
 
 
+def _contiguous(value: torch.Tensor) -> bool:
+    """Contiguous for every size within the export's bounds (a view of it is exact)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(value.is_contiguous()))
+
+
 def _written_in_place(node: torch.fx.Node) -> bool:
     """A user writes into it (a view passes writes to its base, a copy would not)."""
     return any(node in written_arguments(user) for user in node.users)
 
 
 def has_symbolic_size_argument(node: torch.fx.Node) -> bool:
-    """A view whose size argument holds something other than ints (a symbolic size)."""
+    """A view whose size argument holds something other than ints (a symbolic size), or a
+    flatten / unflatten of a dynamic shape (decomposed, it is such a view)."""
+    if node.target in _FLATTENS:
+        return bool(symbolic_axes(node.meta.get("val")))
     return node.target in _VIEWS and not all(type(size) is int for size in node.args[1])
 
 
@@ -171,6 +182,8 @@ def match_shape_op(
         return Declined(
             f"rank {ranks[0]} -> {ranks[1]}: XNNPACK tensors have 1 to {XNN_MAX_TENSOR_DIMS} dims"
         )
+    if node.target in _FLATTENS and not _contiguous(source.meta["val"]):
+        return Declined("flattens a non-contiguous tensor: a copy, not a view")
     if _written_in_place(node):
         return Declined("a user writes into it in place")
     if node.target in _SHAPE_OPS and not beside_delegated_op(node, delegated):

@@ -26,6 +26,10 @@ are used as a list (not each by index), a split along a symbolic dim (its bounds
 change with the input) or an empty piece, a dtype XNNPACK does not compile here,
 a quantized input, or a rank beyond XNNPACK's.
 
+A `select` (or an `unbind` read by index) is the slice of size 1 at its index, viewed
+without that dim: `select(x, d, i) = view(slice(x, d, i, i + 1), shape)`; upstream has
+no select config, so rotary embedding's real/imaginary split stays outside otherwise.
+
 Runs on the ATen program, before decomposition.
 """
 
@@ -46,6 +50,7 @@ from etfold.backends.xnnpack._passes.delegated_floats import (
     rank_held,
 )
 from etfold.backends.xnnpack._passes.dynamic_slices import slice_resizes_at_runtime
+from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import view_shape
 from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.graph_walk import describe_axes
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
@@ -55,6 +60,7 @@ FOLD = "xnnpack.split_as_slices"
 
 aten = torch.ops.aten
 SPLITS = (aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default)
+SELECTS = (aten.select.int, aten.unbind.int)
 
 
 @dataclass(frozen=True)
@@ -142,9 +148,100 @@ def rewrite_as_slices(match: SplitAsSlices) -> None:
     record_applied(FOLD, node.name, f"{len(match.bounds)} pieces along dim {match.dim}")
 
 
+@dataclass(frozen=True)
+class SelectsAsSlices:
+    """`select(x, d, i)`, or `unbind(x, d)` read by index: each selected slab is
+    `view(slice(x, d, i, i + 1), shape of the slab)`, the same values (rotary's
+    real/imaginary split of `[1, T, H, D/2, 2]`)."""
+
+    node: torch.fx.Node
+    dim: int
+    shapes: dict[int, tuple[int, ...]]  # index -> the view's size argument (-1: inferred)
+
+
+def _selected(node: torch.fx.Node) -> dict[int, torch.fx.Node]:
+    """Index -> the node holding that slab: the select itself, or unbind's getitems."""
+    if node.target is aten.select.int:
+        return {node.args[2]: node}
+    return {piece.args[1]: piece for piece in node.users}
+
+
+def match_selects_as_slices(
+    node: torch.fx.Node, dtypes: Collection[torch.dtype]
+) -> SelectsAsSlices | Declined | None:
+    """The slices and views `node` becomes, a reason it stays, or None when it is no
+    select or unbind."""
+    if node.op != "call_function" or node.target not in SELECTS:
+        return None
+    source = node.args[0]
+    rank = rank_of(source)
+    if rank is None or rank == 0:
+        return Declined("no tensor metadata on the select's input")
+    value = source.meta["val"]
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank
+    declined = first_declined(
+        lambda: rank_held(rank, "input"),
+        lambda: _pieces_by_index(node) if node.target is aten.unbind.int else None,
+        lambda: not_quantized(source, "the slices would need matching quantization each"),
+        lambda: dtype_taken(value, dtypes, "select"),
+    )
+    if declined is not None:
+        return declined
+    if type(value.shape[dim]) is not int:
+        return Declined(
+            f"dynamic shape: selects along {describe_axes(value, [dim])}; the slice bounds "
+            "change with the input"
+        )
+    shapes = {}
+    for index, piece in _selected(node).items():
+        index %= value.shape[dim]
+        slab = aten.slice.Tensor(value, dim, index, index + 1)
+        shape = view_shape(piece.meta["val"])
+        declined = slice_resizes_at_runtime(value, slab, dim, index, index + 1)
+        if declined is None and isinstance(shape, Declined):
+            declined = shape
+        if declined is not None:
+            return declined
+        shapes[index] = shape
+    return SelectsAsSlices(node, dim, shapes)
+
+
+def rewrite_selects_as_slices(match: SelectsAsSlices) -> None:
+    node, graph = match.node, match.node.graph
+    source = node.args[0]
+    for index, piece in _selected(node).items():
+        index %= source.meta["val"].shape[match.dim]
+        with graph.inserting_before(piece):
+            part = graph.call_function(aten.slice.Tensor, (source, match.dim, index, index + 1, 1))
+            part.meta = {
+                **node.meta,
+                "val": aten.slice.Tensor(source.meta["val"], match.dim, index, index + 1),
+            }
+            view = graph.call_function(aten.view.default, (part, list(match.shapes[index])))
+        view.meta = {**node.meta, "val": piece.meta["val"]}
+        piece.replace_all_uses_with(view)
+        graph.erase_node(piece)
+    if node in graph.nodes:
+        graph.erase_node(node)
+    record_applied(FOLD, node.name, f"{len(match.shapes)} slabs along dim {match.dim} as views")
+
+
+def _match_pieces(node: torch.fx.Node, dtypes: Collection[torch.dtype]):
+    if node.op == "call_function" and node.target in SELECTS:
+        return match_selects_as_slices(node, dtypes)
+    return match_split_as_slices(node, dtypes)
+
+
+def _rewrite_pieces(match: SplitAsSlices | SelectsAsSlices) -> None:
+    if isinstance(match, SelectsAsSlices):
+        rewrite_selects_as_slices(match)
+    else:
+        rewrite_as_slices(match)
+
+
 def splits_as_slices(program: ExportedProgram, *, bf16: bool) -> ExportedProgram:
-    """`program`, or a rewritten copy when some split becomes slices.
+    """`program`, or a rewritten copy when some split, select or unbind becomes slices.
 
     `bf16`: whether XNNPACK compiles a slice in bf16 for this lowering."""
-    match = functools.partial(match_split_as_slices, dtypes=delegated_floats(bf16))
-    return rewrite_matches_on_a_copy(program, match, rewrite_as_slices, FOLD)
+    match = functools.partial(_match_pieces, dtypes=delegated_floats(bf16))
+    return rewrite_matches_on_a_copy(program, match, _rewrite_pieces, FOLD)
