@@ -198,7 +198,6 @@ def match_expand(
     declined = first_declined(
         lambda: rank_held(len(out), "result"),
         lambda: not_quantized(source, "the copies would each need quantization"),
-        lambda: copies_known(lifted, out),
     )
     if declined is not None:
         return declined
@@ -215,6 +214,7 @@ def match_expand(
     if not repeats or broadcasts_alike(node, lifted, broadcasting) is None:
         return ExpandAsDelegatedOps(node, view, ())
     declined = first_declined(
+        lambda: copies_known(lifted, out),
         lambda: dtype_taken(source.meta["val"], dtypes, "copy along an axis"),
         lambda: views_infer_the_rest(source.meta["val"], "the copied input"),
     )

@@ -257,6 +257,33 @@ def test_generated_dynamic_repeats_are_bit_exact_at_the_bounds(rows, n_rep, lead
         assert torch.equal(actual, module(x))
 
 
+class MaskedScores(torch.nn.Module):
+    """A padding mask [B, 1, 1, T] expanded along a dynamic T, then added: dropped."""
+
+    def forward(self, scores, mask):
+        b, h, t, _ = scores.shape
+        return scores + mask.expand(b, 1, t, t)
+
+
+def test_an_expand_along_a_dynamic_dim_is_dropped_before_a_broadcasting_op():
+    tokens = torch.export.Dim("tokens", min=2, max=24)
+    example = (torch.randn(1, 2, 5, 5), torch.randn(1, 1, 1, 5))
+    program, decisions = lower_dynamic(
+        MaskedScores(),
+        example,
+        ({2: tokens, 3: tokens}, {3: tokens}),
+        [XnnpackPartitioner()],
+        lower=to_edge_transform_and_lower,
+    )
+    details = [re.sub(r"add_\d+", "add", d.detail) for d in decisions if d.fold == FOLD]
+    assert details == ["dropped: add broadcast its input"]
+    assert program.delegates() == 1 and not program.ops_outside()
+    for t in (2, 24):
+        inputs = (torch.randn(1, 2, t, t), torch.randn(1, 1, 1, t))
+        (actual,) = program.run(*inputs)
+        assert torch.equal(actual, MaskedScores()(*inputs))
+
+
 class RotaryTable(torch.nn.Module):
     """HF Llama's rotary table: `cat((freqs, freqs), -1)` of a product over the positions."""
 
