@@ -7,7 +7,8 @@
 """Run extra passes inside ArmPassManager's backend pipeline for one block.
 
 Tests use this to place a pass exactly where registration would, without
-registering anything globally beyond the `with` block.
+registering anything globally beyond the `with` block, and to read the
+annotation pipeline as registration leaves it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def arm_pass_insertions(
     after: Mapping[type, Sequence[object]] | None = None,
 ) -> Iterator[None]:
     """Insert pass instances before/after upstream pass types; remove exactly them on exit."""
-    from etfold.backends.arm.registration import add_pass_insertions, remove_pass_insertions
+    from etfold.backends.arm.pass_insertions import add_pass_insertions, remove_pass_insertions
 
     entries = [
         (target, side, instance)
@@ -35,6 +36,13 @@ def arm_pass_insertions(
         yield
     finally:
         remove_pass_insertions(entries, created)
+
+
+def annotation_pipeline_passes(profile: str = "TOSA-1.0+INT") -> list[type]:
+    """The pass classes of Arm's annotation pipeline as it is built now, in order."""
+    from etfold.backends.arm.pass_insertions import built_annotation_pipeline
+
+    return [type(p) for p in built_annotation_pipeline(profile).passes]
 
 
 def lower_tosa_with_passes(

@@ -19,7 +19,7 @@ from etfold.backends.arm._passes.fold_dyt_affine_into_conv_float_pass import (
 from etfold.backends.arm._passes.fold_dyt_affine_into_conv_pass import FoldDyTAffineIntoConvPass
 from etfold.backends.arm._passes.fold_dyt_alpha_into_lut_pass import FoldDyTAlphaIntoLUTPass
 from etfold.backends.arm._passes.fold_scalar_mul_into_conv_pass import FoldScalarMulIntoConvPass
-from etfold.backends.arm.registration import annotation_pipeline_passes
+from etfold.harness.arm_passes import annotation_pipeline_passes
 from etfold.harness.tosa_runner import INT
 
 

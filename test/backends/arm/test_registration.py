@@ -32,8 +32,9 @@ from etfold.backends.arm import (
     registration,
     unregister_arm_folds,
 )
-from etfold.backends.arm.registration import annotation_pipeline_passes, upstream_folds_retired
+from etfold.backends.arm.registration import upstream_folds_retired
 from etfold.demo_models.plain_models import ConvBlock
+from etfold.harness.arm_passes import annotation_pipeline_passes
 from etfold.harness.tosa_runner import FP, INT, lower_module_tosa
 
 PROFILES = [INT, FP]
