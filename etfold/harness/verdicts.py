@@ -12,7 +12,6 @@ The verdicts are listed in `etfold.harness.differential`'s docstring.
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -130,23 +129,7 @@ def known_pending(case, outcome: Outcome) -> str | None:
 
     Each entry names the class; remove it with the fix, so the class fails again.
     """
-    if outcome.verdict == "wrong" and _clamp_after_clamp_on_xnnpack(case):
-        return (
-            "XNNPACK FuseActivationPass fuses a relu/hardtanh into the op before it, then the"
-            " next relu/hardtanh into that same op, replacing the first's output range"
-            " instead of narrowing it (relu6 then hardtanh: only hardtanh's range is kept)"
-        )
     return None
-
-
-_FUSED_ACTIVATIONS = ("relu", "relu6", "hardtanh")  # XNNPACK fuses these as an output range
-
-
-def _clamp_after_clamp_on_xnnpack(case) -> bool:
-    if getattr(case, "family", None) != "upstream_folds" or not case.backend.startswith("xnnpack"):
-        return False
-    pairs = itertools.pairwise(case.chain)
-    return any(a in _FUSED_ACTIVATIONS and b in _FUSED_ACTIVATIONS for a, b in pairs)
 
 
 @dataclass

@@ -28,6 +28,10 @@ from dataclasses import dataclass
 from executorch.exir.program._program import _default_decomposition_table
 from torch.export import ExportedProgram
 
+from etfold.backends.xnnpack._passes.attention_scores_in_bmm_shape_pass import (
+    attention_scores_in_bmm_shape,
+)
+from etfold.backends.xnnpack._passes.clamp_chains_as_one_pass import clamp_chains_as_one
 from etfold.backends.xnnpack._passes.contiguous_last_axis_inputs_pass import (
     read_last_axis_normalizations_contiguous,
 )
@@ -123,6 +127,10 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         lambda program, _: own_constants_before_batch_norm_fusion(program),
     ),
     PreDecompositionRewrite(
+        "clamp_chains_as_one",
+        lambda program, _: clamp_chains_as_one(program),
+    ),
+    PreDecompositionRewrite(
         "inline_autocast_regions",
         lambda program, _: inline_autocast_regions(program),
         settings=("fold_weights", "delegate_dtype_converts"),
@@ -151,6 +159,16 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         graph_mode_only=True,
         reads_table=True,
         after=(_MARKS,),
+    ),
+    PreDecompositionRewrite(
+        "attention_scores_in_bmm_shape",
+        lambda program, inputs: attention_scores_in_bmm_shape(program, inputs.table),
+        configs=frozenset({"bmm.default", "_softmax.default"}),
+        graph_mode_only=True,
+        reads_table=True,
+        after=(
+            ("safe_softmaxes_as_softmax", "the guard, dropped, leaves softmax the chain's end"),
+        ),
     ),
     PreDecompositionRewrite(
         "expands_as_delegated_ops",

@@ -27,11 +27,13 @@ from etfold.backends.xnnpack.partition.pre_decomposition_rewrites import (
 DECLARED = [
     "judged_across_methods",
     "own_constants_before_batch_norm_fusion",
+    "clamp_chains_as_one",
     "inline_autocast_regions",
     "widen_half_precision_ops",
     "read_last_axis_normalizations_contiguous",
     "fold_gemm_weights",
     "safe_softmaxes_as_softmax",
+    "attention_scores_in_bmm_shape",
     "expands_as_delegated_ops",
     "shape_ops_as_views",
     "layer_norms_as_delegated_ops",
@@ -41,6 +43,7 @@ DECLARED = [
 ]
 GRAPH_MODE_ONLY = {
     "safe_softmaxes_as_softmax",
+    "attention_scores_in_bmm_shape",
     "expands_as_delegated_ops",
     "shape_ops_as_views",
     "layer_norms_as_delegated_ops",
@@ -103,7 +106,7 @@ def test_the_partitioners_flags_enable_their_rewrites():
 @pytest.mark.parametrize(
     ("missing", "skipped"),
     [
-        ("_softmax.default", {"safe_softmaxes_as_softmax"}),
+        ("_softmax.default", {"safe_softmaxes_as_softmax", "attention_scores_in_bmm_shape"}),
         ("mean.dim", {"layer_norms_as_delegated_ops", "means_over_last_dim_as_pooling"}),
         ("slice_copy.Tensor", {"splits_as_slices"}),
     ],
