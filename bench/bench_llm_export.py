@@ -358,7 +358,7 @@ def hf_models():
         "wav2vec2": (
             LastHiddenState(wav2vec2).eval(),
             (audio,),
-            Dim("samples", min=4000, max=32000),
+            320 * Dim("frames", min=13, max=100),
         ),
         "llama": (tiny_llama(torch.float32), (token_ids(1000, 32),), Dim("tokens", min=4, max=64)),
     }
