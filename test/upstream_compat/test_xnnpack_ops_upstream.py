@@ -80,6 +80,14 @@ STOCK_FAILURES = {
     "test_linear::test_linear_qd8_f32_per_channel_int4": STOCK_INT4_FAILURE,
 }
 
+# test id -> why it fails only sometimes, on stock as on etfold (not run: its verdict is a coin)
+FLAKY_ON_STOCK = {
+    "test_linear::test_linear_qd8_f32_per_token_weight_per_channel_group_int4": (
+        "flaky on stock too: unseeded random inputs against a 5e-3 tolerance on a 4-bit "
+        "groupwise linear; failed 1 of 3 runs with upstream's own partitioner and lowering"
+    ),
+}
+
 
 def _test_classes(module) -> list[type[unittest.TestCase]]:
     return [
@@ -100,6 +108,8 @@ def _marks(short_name: str, test_id: str, name: str) -> list:
     marks = []
     if test_id in DELIBERATE:
         marks.append(pytest.mark.skip(reason=DELIBERATE[test_id]))
+    if test_id in FLAKY_ON_STOCK:
+        marks.append(pytest.mark.skip(reason=FLAKY_ON_STOCK[test_id]))
     if test_id in STOCK_FAILURES:
         marks.append(pytest.mark.skip(reason=f"fails on stock too: {STOCK_FAILURES[test_id]}"))
     if name not in SAMPLED.get(short_name, ()):
@@ -155,7 +165,8 @@ def _run(module_name: str, class_name: str, test_name: str) -> unittest.TestResu
 
 def test_the_suite_is_every_module_of_upstreams_ops_package():
     assert len(MODULES) >= 48 and all(MODULES.values())
-    assert set(DELIBERATE) | set(STOCK_FAILURES) <= {p.id for p in _cases()}
+    listed = set(DELIBERATE) | set(STOCK_FAILURES) | set(FLAKY_ON_STOCK)
+    assert listed <= {p.id for p in _cases()}
 
 
 @pytest.mark.parametrize("module_name,class_name,test_name", list(_cases()))
