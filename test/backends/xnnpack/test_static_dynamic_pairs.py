@@ -152,9 +152,10 @@ def test_a_layer_decides_alike_static_and_dynamic_and_matches_eager(kind):
     assert_alike(pair)
     rewritten = [d for d in pair.dynamic.decisions if d.fold in REWRITES]
     assert rewritten and all(d.applied for d in rewritten)
-    # norms and the guard run inside delegates in both programs
+    # norms and the guard run inside delegates in both programs, one delegate each
     for lowered in (pair.static, pair.dynamic):
         assert not NORMS_AND_GUARD & set(lowered.program.ops_outside())
+        assert lowered.program.delegates() == 1
 
 
 @settings(max_examples=2, deadline=None, derandomize=True, database=None)

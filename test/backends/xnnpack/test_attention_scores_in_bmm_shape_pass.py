@@ -1,0 +1,85 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Attention on a dynamic sequence is one delegate: its scores keep the bmm's shape
+between the two matmuls, so no view holds the sequence size twice."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from etfold.backends.xnnpack import XnnpackPartitioner
+from etfold.backends.xnnpack._passes.attention_scores_in_bmm_shape_pass import (
+    FOLD,
+    attention_scores_in_bmm_shape,
+)
+from etfold.decisions import collect_decisions
+from etfold.harness.dynamic_pairs import (
+    LengthAxis,
+    decisions_apart,
+    dynamic_errors,
+    lower_static_and_dynamic,
+)
+
+VIEW = "aten.view_copy.default"
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, width: int = 16, heads: int = 2, causal: bool = False, mask=None):
+        super().__init__()
+        self.heads, self.causal, self.mask = heads, causal, mask
+        self.qkv, self.o = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        qkv = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        mask = None if self.mask is None else self.mask(t)
+        y = F.scaled_dot_product_attention(*qkv, attn_mask=mask, is_causal=self.causal)
+        return self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
+def _sequence(length: int) -> tuple[torch.Tensor]:
+    return (torch.randn(1, length, 16, generator=torch.Generator().manual_seed(length)),)
+
+
+def _additive_mask(length: int) -> torch.Tensor:
+    """A [1, 1, t, t] float mask from the length: each query sees itself and before."""
+    keys = torch.arange(length)
+    hidden = keys[None, :] > keys[:, None]
+    return torch.where(hidden, float("-inf"), 0.0)[None, None]
+
+
+@pytest.mark.parametrize(
+    "module",
+    [Attention(), Attention(causal=True), Attention(mask=_additive_mask)],
+    ids=["no-mask", "causal", "4-d-mask"],
+)
+def test_dynamic_attention_is_one_delegate_like_the_static_one(module):
+    torch.manual_seed(0)
+    axis = LengthAxis(((1,),), 2, 16, 6)
+    pair = lower_static_and_dynamic(module, _sequence, axis, lambda: [XnnpackPartitioner()])
+    assert [d.applied for d in pair.dynamic.decisions if d.fold == FOLD] == [True]
+    # the static views are XNNPACK's: nothing to rewrite there, so no decision
+    static_only, dynamic_only = decisions_apart(pair, lambda fold: fold == FOLD)
+    assert not static_only and dynamic_only == Counter({(FOLD, True, ""): 1})
+    assert pair.dynamic.program.delegates() == pair.static.program.delegates() == 1
+    assert VIEW not in pair.dynamic.program.ops_outside()
+    errors = dynamic_errors(pair)
+    assert {axis.low, axis.high} <= set(errors) and max(errors.values()) <= 1e-5, errors
+
+
+def test_a_static_program_keeps_its_views():
+    program = torch.export.export(Attention().eval(), _sequence(5))
+    table = XnnpackPartitioner()._decomposition_table(program)
+    code = program.graph_module.code
+    with collect_decisions() as decisions:
+        assert attention_scores_in_bmm_shape(program, table) is program
+    assert program.graph_module.code == code
+    assert [d for d in decisions if d.fold == FOLD] == []
