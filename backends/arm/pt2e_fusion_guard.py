@@ -11,9 +11,10 @@ of their own.
 `transform_for_annotation` comes after), and writes each fused weight into the
 weight's own attribute: a weight two layers share ends with one layer's fused
 values, and the second layer's batch norm is dropped. While etfold's Arm folds
-are registered, the two fusion functions `prepare_pt2e` calls are wrapped: each
-first gives every layer it will fuse constants no other node reads
-(`own_constants_in_graph_module`), then runs torchao's own function unchanged.
+are registered, the two fusion functions `prepare_pt2e` calls are replaced in its
+module (`registration` replaces and restores them with the other upstream
+attributes): each first gives every layer it will fuse constants no other node
+reads (`own_constants_in_graph_module`), then runs torchao's own function.
 """
 
 from __future__ import annotations
@@ -22,48 +23,32 @@ import functools
 import importlib
 from collections.abc import Callable
 
-from etfold.exir.passes.own_constants_before_batch_norm_fusion_pass import (
-    own_constants_in_graph_module,
-)
+from etfold.backends.arm.upstream_arm import ArmRegistrationError
 
 PREPARE_MODULE = "torchao.quantization.pt2e.quantize_pt2e"
 FUSIONS = ("_fuse_conv_bn_", "_fuse_linear_bn_")
 
 
-class Pt2eShapeError(RuntimeError):
-    """torchao no longer calls the fusions etfold guards from `prepare_pt2e`."""
-
-
-def _prepare_module():
+def pt2e_prepare_module():
+    """torchao's module whose `prepare_pt2e` calls the fusions, checked to still have them."""
     module = importlib.import_module(PREPARE_MODULE)
     missing = [name for name in FUSIONS if not callable(getattr(module, name, None))]
     if missing:
-        raise Pt2eShapeError(f"{PREPARE_MODULE} no longer has {missing}")
+        raise ArmRegistrationError(f"{PREPARE_MODULE} no longer has {missing}")
     return module
 
 
-def _guarded(fusion: Callable) -> Callable:
+def fusion_with_own_constants(fusion: Callable) -> Callable:
+    """torchao's `fusion`, run after every layer it fuses got constants of its own."""
+
     @functools.wraps(fusion)
     def fuse_with_own_constants(graph_module, *args, **kwargs):
+        from etfold.exir.passes.own_constants_before_batch_norm_fusion_pass import (
+            own_constants_in_graph_module,
+        )
+
         own_constants_in_graph_module(graph_module)
         return fusion(graph_module, *args, **kwargs)
 
     fuse_with_own_constants.__etfold_wrapped__ = fusion  # type: ignore[attr-defined]
     return fuse_with_own_constants
-
-
-def guard_pt2e_fusions() -> dict[str, Callable]:
-    """Wrap the fusions; returns torchao's functions, for `restore_pt2e_fusions`."""
-    module = _prepare_module()
-    originals = {name: getattr(module, name) for name in FUSIONS}
-    if any(hasattr(f, "__etfold_wrapped__") for f in originals.values()):
-        raise Pt2eShapeError(f"{PREPARE_MODULE}'s fusions are already wrapped by etfold")
-    for name, fusion in originals.items():
-        setattr(module, name, _guarded(fusion))
-    return originals
-
-
-def restore_pt2e_fusions(originals: dict[str, Callable]) -> None:
-    module = importlib.import_module(PREPARE_MODULE)
-    for name, fusion in originals.items():
-        setattr(module, name, fusion)

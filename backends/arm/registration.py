@@ -43,6 +43,11 @@ from etfold.backends.arm.pass_insertions import (
     lazy_pass,
     remove_pass_insertions,
 )
+from etfold.backends.arm.pt2e_fusion_guard import FUSIONS as PT2E_FUSIONS
+from etfold.backends.arm.pt2e_fusion_guard import (
+    fusion_with_own_constants,
+    pt2e_prepare_module,
+)
 from etfold.backends.arm.upstream_arm import (
     UPSTREAM_ETHOS_U_BACKEND_MODULE,
     UPSTREAM_PASS_MANAGER_MODULE,
@@ -97,12 +102,14 @@ def _replace_upstream(insertions: tuple[ArmPassInsertion, ...]) -> list[Replaced
         )
     retired = tuple(_upstream_pass_class(name) for name in RETIRED_UPSTREAM_PASSES)
     ethos_u = ethos_u_backend()
+    prepare = pt2e_prepare_module()
     return [
         replace(manager, "add_pass", inserting_add_pass(retired, insertions)),
         replace(manager, "transform_for_pre_decomposition_pipeline", on_a_marked_copy),
         replace(manager, "transform_to_backend_pipeline", target_aware),
         replace(manager, "transform_for_annotation_pipeline", target_aware),
         replace(ethos_u, "preprocess", preprocess_for_its_target),
+        *(replace(prepare, name, fusion_with_own_constants) for name in PT2E_FUSIONS),
     ]
 
 

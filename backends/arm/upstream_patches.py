@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Replaced:
-    owner: type
+    owner: object  # a class or a module
     attribute: str
     original: object
 
 
-def replace(owner: type, attribute: str, make: Callable[[object], object]) -> Replaced:
+def replace(owner: object, attribute: str, make: Callable[[object], object]) -> Replaced:
     """`owner.attribute = make(original)`; returns what `restore` needs to undo it."""
     original = owner.__dict__[attribute]
     setattr(owner, attribute, make(original))
