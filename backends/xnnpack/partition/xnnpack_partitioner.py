@@ -47,6 +47,7 @@ from etfold.backends.xnnpack.partition.config.dynamic_slice_config import (
 from etfold.backends.xnnpack.partition.constant_layout_conflicts import find_layout_conflicts
 from etfold.backends.xnnpack.partition.pre_decomposition_rewrites import run_rewrites
 from etfold.backends.xnnpack.partition.shape_op_partitions import settle_shape_op_views
+from etfold.backends.xnnpack.partition.weight_fold_ownership import own_folded_constants
 from etfold.backends.xnnpack.partitioner_caller_check import called_through_deprecated_to_backend
 from etfold.decisions import record_declined
 from etfold.exir.program.lower import mark_for_lowering
@@ -162,6 +163,7 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         configs = self.target_partitioner_configs.values()
         with bf16_scope(exported_program, self._user_enable_bf16, configs):
             result = settle_shape_op_views(super().partition(exported_program))
+        result = own_folded_constants(result)
         if self.delegate_dtype_converts:
             result = self._mark_convert_partitions(result)
         result = mark_dynamic_slice_partitions(result)

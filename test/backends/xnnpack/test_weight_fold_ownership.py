@@ -16,13 +16,16 @@ from __future__ import annotations
 import re
 
 import torch
+from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+    XnnpackPartitioner as UpstreamXnnpackPartitioner,
+)
+from executorch.exir import to_edge_transform_and_lower as upstream_lower
 from torch.export.graph_signature import InputKind
 
 from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.backends.xnnpack.partition.weight_fold_ownership import (
     FOLD,
     folded_constants,
-    own_folded_constants,
     owning_tag,
 )
 from etfold.decisions import Declined, collect_decisions
@@ -45,17 +48,9 @@ class LstmHead(torch.nn.Module):
         return self.head(out[:, -1, :])
 
 
-class OwningPartitioner(XnnpackPartitioner):
-    """etfold's partitioner with the ownership step on its result, where the partitioner
-    runs it (after every node is tagged)."""
-
-    def partition(self, exported_program):
-        return own_folded_constants(super().partition(exported_program))
-
-
-def _delegate_state_inputs(program) -> list[str]:
+def _delegate_state_inputs(edge) -> list[str]:
     """State placeholders (parameters, buffers, constants) passed into a delegate call."""
-    ep = program.edge.exported_program()
+    ep = edge.exported_program()
     state = {
         s.arg.name
         for s in ep.graph_signature.input_specs
@@ -90,23 +85,22 @@ def test_folded_lstm_constants_are_owned_by_their_delegate():
     x = torch.randn(1, 6, 8)
     with collect_decisions() as decisions:
         program, reference = lower_module_xnnpack(
-            LstmHead().eval(), (x,), [OwningPartitioner()], lower=etfold_lower
+            LstmHead().eval(), (x,), [XnnpackPartitioner()], lower=etfold_lower
         )
     owned = [d for d in decisions if d.fold == FOLD]
     assert owned and all(d.applied for d in owned), owned
-    assert _delegate_state_inputs(program) == []
+    assert _delegate_state_inputs(program.edge) == []
     assert_close(program.run(x), reference, atol=1e-5)
 
 
-def test_without_the_step_the_folded_constants_are_delegate_inputs():
-    """The counterpart: what the step changes (upstream's configs claim GEMM operands only)."""
+def test_upstreams_partitioner_leaves_the_folded_constants_as_delegate_inputs():
+    """The counterpart: upstream's configs claim GEMM operands only, so the constants etfold's
+    fold made are runtime inputs unless etfold's partitioner owns them."""
     torch.manual_seed(0)
-    x = torch.randn(1, 6, 8)
-    program, reference = lower_module_xnnpack(
-        LstmHead().eval(), (x,), [XnnpackPartitioner()], lower=etfold_lower
-    )
-    assert _delegate_state_inputs(program)
-    assert_close(program.run(x), reference, atol=1e-5)
+    program = torch.export.export(LstmHead().eval(), (torch.randn(1, 6, 8),))
+    folded = XnnpackPartitioner().transform_for_pre_decomposition(program)
+    edge = upstream_lower(folded, partitioner=[UpstreamXnnpackPartitioner()])
+    assert _delegate_state_inputs(edge)
 
 
 def _readers(*tags):
