@@ -60,7 +60,7 @@ def _shape_env(reads: list[Node]):
 
 
 def _read_of(symbol: sympy.Symbol, reads: list[Node]) -> str:
-    """"dim d of `x`" for the first size read that is `symbol` itself."""
+    """ "dim d of `x`" for the first size read that is `symbol` itself."""
     for read in reads:
         if read.meta["val"].node.expr == symbol:
             return f"dim {read.args[1]} of `{read.args[0].name}`"

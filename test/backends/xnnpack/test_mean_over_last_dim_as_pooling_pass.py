@@ -147,9 +147,7 @@ def test_declines_when_two_dims_of_the_view_back_are_dynamic():
     inputs = (torch.randn(3, 4, 6),)
     (reason,) = _declined_by_pass(Mean(), inputs, dynamic_shapes=({0: rows, 1: cols},))
     assert reason.startswith("dynamic shape: dim 0 (") and ", dim 1 (" in reason
-    assert reason.endswith(
-        "the view back would infer 2 sizes; XNNPACK's reshape infers one"
-    )
+    assert reason.endswith("the view back would infer 2 sizes; XNNPACK's reshape infers one")
 
 
 def test_declines_when_the_width_and_a_row_dim_are_both_dynamic():
