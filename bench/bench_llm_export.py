@@ -376,6 +376,16 @@ def _time_pair(stock, ours, inputs: tuple, args):
     )
 
 
+def _lowered_or_failure(program, partitioner, **lowering):
+    """The lowered program, or the first line of the error that stopped it."""
+    from etfold.harness.xnnpack_runner import lower_xnnpack
+
+    try:
+        return lower_xnnpack(program, [partitioner], **lowering)
+    except Exception as error:  # a stock failure is a row of the table, not the end of it
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+
+
 def hf_rows(args) -> None:
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
         XnnpackPartitioner as StockPartitioner,
@@ -383,7 +393,7 @@ def hf_rows(args) -> None:
 
     import etfold.exir
     from etfold.backends.xnnpack import XnnpackPartitioner
-    from etfold.harness.xnnpack_runner import eager_outputs, lower_xnnpack, max_abs_error
+    from etfold.harness.xnnpack_runner import eager_outputs, max_abs_error
 
     print("\n== HF models: delegates / ops outside, stock -> etfold; stock/etfold latency")
     for name, (module, inputs, dim) in hf_models().items():
@@ -391,10 +401,24 @@ def hf_rows(args) -> None:
         for shapes in ("static", "dynamic"):
             dynamic = None if shapes == "static" else ({1: dim},)
             program = torch.export.export(module, inputs, dynamic_shapes=dynamic)
-            stock = lower_xnnpack(program, [StockPartitioner()])
-            ours = lower_xnnpack(
-                program, [XnnpackPartitioner()], lower=etfold.exir.to_edge_transform_and_lower
-            )
+            lowered = {
+                "stock": _lowered_or_failure(program, StockPartitioner()),
+                "etfold": _lowered_or_failure(
+                    program, XnnpackPartitioner(), lower=etfold.exir.to_edge_transform_and_lower
+                ),
+            }
+            failed = {f: r for f, r in lowered.items() if isinstance(r, str)}
+            if failed:
+                reasons = "; ".join(f"{f} fails to lower: {r}" for f, r in failed.items())
+                if "etfold" not in failed:
+                    ours = lowered["etfold"]
+                    reasons += (
+                        f"; etfold {ours.delegates()}/{_edge_outside(ours)}, max error vs eager "
+                        f"{max_abs_error(ours.run(*inputs), expected):.1e}"
+                    )
+                print(f"{name:8} {shapes:7} {reasons}", flush=True)
+                continue
+            stock, ours = lowered["stock"], lowered["etfold"]
             error = max(max_abs_error(p.run(*inputs), expected) for p in (stock, ours))
             timing = _time_pair(stock, ours, inputs, args)
             print(
