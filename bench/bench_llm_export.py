@@ -14,6 +14,20 @@ to run it) on a SmolLM2-135M-shaped params file (dim 576, 9 heads / 3 KV heads, 
 1536, vocab 49152, all 30 layers unless `--layers N`) with a seeded random Meta-format
 checkpoint written here; `-kv --use_sdpa_with_kv_cache -X --xnnpack-extended-ops
 --max_seq_length 128`, plus `-qmode 8da4w --group_size 32` or `-d bf16` for those modes.
+Measured on a shared 2-core machine under heavy load (load average 12-17), so latencies are
+noisy; structure is exact. `--layers 2 --modes fp32,8da4w --no-hf --budget 4 --runs 5` at
+692889b (the 30-layer run did not finish in the time available):
+  fp32   delegates 24 -> 19 (11 -> 8.5 per layer + 2); outside 36 -> 15 (etfold: select_copy
+         x6 at input_pos, update_cache x4, slice_copy x2, custom_sdpa x2, embedding); prefill
+         e/s 1.04 (0.82-1.27), decode 0.91 (0.72-1.07); ETDump outside share prefill 11.9 % ->
+         11.2 %, decode 0.9 % -> 0.5 %; export 38.5 -> 23.5 CPU s, peak 1.10 -> 1.17 GB
+  8da4w  the same structure; prefill 4.18 / 4.33 ms (linears alone 3.65), e/s 1.04
+         (1.00-1.08); decode 2.21 / 2.19 ms (linears alone 2.05), e/s 0.99 (0.95-1.03); ETDump
+         outside share prefill 14.5 % -> 7.0 %, decode 5.8 % -> 3.2 %; export 56.4 -> 48.9 CPU s
+HF rows (`--no-llm --budget 4 --runs 5` at 2f068a8): BERT static 9/49 -> 1/1, dynamic
+19/72 -> 1/17 (stock/etfold 1.52x, 1.41-1.60); wav2vec2 static 12/48 -> 2/1 (3.56x); stock
+fails to lower the dynamic wav2vec2 ("Output node ... is already in the inputs").
+
 Stock is upstream's `export_llama`; etfold is `etfold.llm_export.export_llama` (the same
 pipeline with etfold's partitioners and lowering speed-ups). Each export runs in its own
 child process, stock first.
