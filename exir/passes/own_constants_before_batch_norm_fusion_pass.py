@@ -50,13 +50,14 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
-from etfold.decisions import Declined, record_applied, record_declined
+from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import (
     ConstantSource,
     known_placeholder,
     state_facts,
     underlying_op,
 )
+from etfold.exir.passes.node_rewrite_driver import matches_in
 from etfold.exir.program.working_copy import copy_for_rewrite
 
 FOLD = "exir.own_constants_before_batch_norm_fusion"
@@ -230,16 +231,12 @@ def _matches(
         known = known_placeholder(program, node, facts=facts)
         return known if isinstance(known, Declined) else known is not None
 
-    found = []
-    for node in program.graph.nodes:
-        for matcher in (match_layer_sharing_constants, match_batch_norm_sharing_gamma):
-            match = matcher(node, is_constant)
-            if isinstance(match, Declined):
-                if record:
-                    record_declined(FOLD, node.name, match.reason)
-            elif match is not None:
-                found.append(match)
-    return found
+    fold = FOLD if record else None
+    return [
+        found
+        for matcher in (match_layer_sharing_constants, match_batch_norm_sharing_gamma)
+        for found in matches_in(program, lambda node, m=matcher: m(node, is_constant), fold)
+    ]
 
 
 def _copy_placeholder(program: ExportedProgram, source: ConstantSource, name: str) -> Node:

@@ -32,13 +32,14 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from etfold.decisions import Declined, record_applied, record_declined
+from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import (
     ConstantSource,
     known_placeholder,
     state_facts,
     underlying_op,
 )
+from etfold.exir.passes.node_rewrite_driver import matches_in
 from etfold.exir.passes.own_constants_before_batch_norm_fusion_pass import (
     is_inference_batch_norm,
 )
@@ -114,15 +115,11 @@ def fold_batch_norms_into_linears(program: ExportedProgram) -> ExportedProgram:
 
 def _matches(program: ExportedProgram, record: bool) -> list[LinearBatchNorm]:
     facts = state_facts(program)
-    found = []
-    for node in program.graph.nodes:
-        match = match_linear_batch_norm(program, facts, node)
-        if isinstance(match, Declined):
-            if record:
-                record_declined(FOLD, node.name, match.reason)
-        elif match is not None:
-            found.append(match)
-    return found
+    return matches_in(
+        program,
+        lambda node: match_linear_batch_norm(program, facts, node),
+        FOLD if record else None,
+    )
 
 
 def _tensor(source: ConstantSource | None):
