@@ -113,9 +113,12 @@ class ReentrantPatch:
 
     def _install(self) -> None:
         planned = [(r, self._checked_original(r)) for r in self._replacements()]
-        for replacement, original in planned:
+        # every value is built before the first attribute is set: a `make` that raises
+        # leaves upstream untouched and no record behind
+        values = [self._value(replacement, original) for replacement, original in planned]
+        for (replacement, original), value in zip(planned, values, strict=True):
             self._installed.append(_Installed(replacement.owner, replacement.attribute, original))
-            setattr(replacement.owner, replacement.attribute, self._value(replacement, original))
+            setattr(replacement.owner, replacement.attribute, value)
 
     def _value(self, replacement: Replacement, original: object) -> object:
         if not replacement.gated:

@@ -184,6 +184,24 @@ def test_a_patch_whose_attribute_is_gone_refuses_before_replacing_anything():
     assert _Owner().named() == "upstream"
 
 
+def test_a_replacement_that_fails_to_build_leaves_upstream_and_no_record():
+    def refuse(original):
+        raise PatchUnavailable("cannot build")
+
+    patch = ReentrantPatch(
+        "probe",
+        lambda: [
+            Replacement(_Owner, "named", lambda original: lambda self: "etfold"),
+            Replacement(_Owner, "made", refuse),
+        ],
+    )
+    upstream = vars(_Owner)["made"], vars(_Owner)["named"]
+    with pytest.raises(PatchUnavailable), patch.scope():
+        pass
+    assert (vars(_Owner)["made"], vars(_Owner)["named"]) == upstream
+    assert patch.original(_Owner, "named") is upstream[1]
+
+
 _FRESH_INTERPRETER = textwrap.dedent(
     """
     import copy
