@@ -70,10 +70,12 @@ def test_generated_observations_choose_torchaos_min_max(seeds, scale, skew, size
 
 def test_the_scope_patches_torchao_only_while_open():
     torchaos = HistogramObserver.__dict__["_non_linear_param_search"]
+    observer = _observer([_normal(3), _normal(4, scale=2.0)])
     with histogram_search_on_numbers():
         with histogram_search_on_numbers():
-            assert HistogramObserver._non_linear_param_search is search_min_max
-        assert HistogramObserver._non_linear_param_search is search_min_max
+            assert HistogramObserver.__dict__["_non_linear_param_search"] is not torchaos
+        chosen = observer._non_linear_param_search()
+    assert all(torch.equal(a, b) for a, b in zip(chosen, search_min_max(observer), strict=True))
     assert HistogramObserver.__dict__["_non_linear_param_search"] is torchaos
 
 
