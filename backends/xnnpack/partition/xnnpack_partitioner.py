@@ -23,7 +23,7 @@ from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
     XnnpackPartitioner as UpstreamXnnpackPartitioner,
 )
-from executorch.exir.backend.partitioner import DelegationSpec, PartitionResult
+from executorch.exir.backend.partitioner import PartitionResult
 from executorch.exir.dialects._ops import ops as exir_ops
 from executorch.exir.program._program import _default_decomposition_table
 from torch.export import ExportedProgram
@@ -45,6 +45,7 @@ from etfold.backends.xnnpack.partition.config.dynamic_slice_config import (
     with_dynamic_slice_config,
 )
 from etfold.backends.xnnpack.partition.constant_layout_conflicts import find_layout_conflicts
+from etfold.backends.xnnpack.partition.marked_partitions import tags_holding, with_spec_on
 from etfold.backends.xnnpack.partition.pre_decomposition_rewrites import run_rewrites
 from etfold.backends.xnnpack.partition.shape_op_partitions import settle_shape_op_views
 from etfold.backends.xnnpack.partition.weight_fold_ownership import own_folded_constants
@@ -125,21 +126,15 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
     def _dtype_convert_configs(configs):
         return with_dtype_convert_configs(list(configs or ALL_PARTITIONER_CONFIGS))
 
-    def _mark_convert_partitions(self, result: PartitionResult) -> PartitionResult:
+    @staticmethod
+    def _mark_convert_partitions(result: PartitionResult) -> PartitionResult:
         """The compile spec (it tells etfold's preprocess wrapper to rewrite converts) goes
         only on partitions holding a delegated convert; the others keep upstream's spec."""
-        spec = self.delegation_spec
-        marked = DelegationSpec(spec.backend_id, [*spec.compile_specs, DTYPE_CONVERTS_SPEC])
-        tags = {
-            node.meta.get("delegation_tag")
-            for node in result.tagged_exported_program.graph.nodes
-            if isinstance(match_dtype_convert(node), DtypeConvert)
-        }
-        partition_tags = {
-            tag: marked if tag in tags else tag_spec
-            for tag, tag_spec in result.partition_tags.items()
-        }
-        return PartitionResult(result.tagged_exported_program, partition_tags)
+
+        def holds_convert(nodes):
+            return any(isinstance(match_dtype_convert(n), DtypeConvert) for n in nodes)
+
+        return with_spec_on(result, tags_holding(result, holds_convert), DTYPE_CONVERTS_SPEC)
 
     def ops_to_not_decompose(self, ep: ExportedProgram):
         """Upstream's, with each kept-op check run under the bf16 settings partition() uses,
@@ -177,22 +172,10 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         hold_for(result.tagged_exported_program, marked)
         return result
 
-    def _mark_layout_guard_partitions(self, result: PartitionResult) -> PartitionResult:
+    @staticmethod
+    def _mark_layout_guard_partitions(result: PartitionResult) -> PartitionResult:
         """Partitions where a last-axis op may read NHWC data get the layout guard spec."""
-        members: dict[str, list] = {}
-        for node in result.tagged_exported_program.graph.nodes:
-            if "delegation_tag" in node.meta:
-                members.setdefault(node.meta["delegation_tag"], []).append(node)
-        guarded = {tag for tag, nodes in members.items() if needs_layout_guard(nodes)}
-        if not guarded:
-            return result
-        partition_tags = {
-            tag: DelegationSpec(spec.backend_id, [*spec.compile_specs, LAYOUT_GUARD_SPEC])
-            if tag in guarded
-            else spec
-            for tag, spec in result.partition_tags.items()
-        }
-        return PartitionResult(result.tagged_exported_program, partition_tags)
+        return with_spec_on(result, tags_holding(result, needs_layout_guard), LAYOUT_GUARD_SPEC)
 
     # ---- end dtype converts
 

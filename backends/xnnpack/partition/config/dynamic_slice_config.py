@@ -24,11 +24,12 @@ import torch
 from executorch.backends.xnnpack.partition.config.generic_node_configs import SliceCopyConfig
 from executorch.backends.xnnpack.utils.quant_utils import is_dequant
 from executorch.exir.backend.compile_spec_schema import CompileSpec
-from executorch.exir.backend.partitioner import DelegationSpec, PartitionResult
+from executorch.exir.backend.partitioner import PartitionResult
 from executorch.exir.backend.utils import WhyNoPartition
 from torch.export import ExportedProgram
 
 from etfold.backends.xnnpack._passes.dynamic_slices import dynamic_slice_declined, is_dynamic
+from etfold.backends.xnnpack.partition.marked_partitions import tags_holding, with_spec_on
 from etfold.decisions import record_declined
 from etfold.exir.passes.graph_walk import op_qualified_name
 
@@ -70,20 +71,11 @@ def with_dynamic_slice_config(configs: list) -> list:
 
 def mark_dynamic_slice_partitions(result: PartitionResult) -> PartitionResult:
     """The partitions holding a dynamic slice carry `DYNAMIC_SLICES_SPEC`."""
-    tags = {
-        node.meta.get("delegation_tag")
-        for node in result.tagged_exported_program.graph.nodes
-        if "delegation_tag" in node.meta and is_dynamic_slice(node)
-    }
-    if not tags:
-        return result
-    partition_tags = {
-        tag: DelegationSpec(spec.backend_id, [*spec.compile_specs, DYNAMIC_SLICES_SPEC])
-        if tag in tags
-        else spec
-        for tag, spec in result.partition_tags.items()
-    }
-    return PartitionResult(result.tagged_exported_program, partition_tags)
+
+    def holds_slice(nodes):
+        return any(is_dynamic_slice(n) for n in nodes)
+
+    return with_spec_on(result, tags_holding(result, holds_slice), DYNAMIC_SLICES_SPEC)
 
 
 def has_dynamic_slices(compile_specs) -> bool:
