@@ -9,16 +9,19 @@
 ExecuTorch's emitter keys external constants (`.ptd` entries) by fully qualified
 name across all methods: when two methods tag different data under one name, the
 later one silently replaces the earlier, and one method reads the other's weights.
+`give_distinct_data_distinct_names` prevents it in a lowering's own programs;
+`check_external_constant_names` detects it in any program.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import ExportGraphSignature, InputKind, OutputKind
 
 from etfold.exir.passes.graph_walk import stored_value, tensor_digest
 
@@ -90,3 +93,74 @@ def check_external_constant_names(programs: Mapping[str, ExportedProgram]) -> No
             " data. Give the folded constants distinct names (etfold's constant_prop_pass with"
             " register_like_source=True names them by their expression)."
         )
+
+
+_STORED_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+
+def _stored_constants(programs: Mapping[str, ExportedProgram]):
+    """(method, name, tensor) of every stored input but mutated buffers: a buffer written
+    under one name in several methods is state they share, and keeps its name."""
+    written = {
+        spec.target
+        for program in programs.values()
+        for spec in program.graph_signature.output_specs
+        if spec.kind == OutputKind.BUFFER_MUTATION
+    }
+    for method, program in programs.items():
+        for spec in program.graph_signature.input_specs:
+            if spec.kind in _STORED_KINDS and spec.target not in written | {None}:
+                value = stored_value(program, spec.kind, spec.target, spec.persistent)
+                if isinstance(value, torch.Tensor):
+                    yield method, spec.target, value
+
+
+def give_distinct_data_distinct_names(programs: Mapping[str, ExportedProgram]) -> dict:
+    """Rename, in place, each constant whose name other methods hold with different data,
+    so whichever constants `to_executorch` later tags external get one entry per tensor.
+
+    Only for programs the caller owns (a lowering's results). The methods holding a
+    name's first data keep it; each other method's constant becomes `name.method`.
+    Returns {(method, old name): new name}.
+    """
+    by_name = defaultdict(dict)
+    for method, name, value in _stored_constants(programs):
+        by_name[name][method] = value
+    taken = set(by_name)
+    renames = {}
+    for name, values in by_name.items():
+        if len(values) < 2:
+            continue
+        first = None
+        for method, value in values.items():
+            digest = tensor_digest(value)
+            first = first or digest
+            if digest != first:
+                renames[(method, name)] = _unused(f"{name}.{method}", taken)
+    for method, program in programs.items():
+        _rename_constants(program, {old: new for (m, old), new in renames.items() if m == method})
+    return renames
+
+
+def _unused(name: str, taken: set[str]) -> str:
+    candidate, n = name, 1
+    while candidate in taken:
+        candidate, n = f"{name}{n}", n + 1
+    taken.add(candidate)
+    return candidate
+
+
+def _rename_constants(program: ExportedProgram, new_names: Mapping[str, str]) -> None:
+    """New signature and state dicts (never mutated: another program may share them)."""
+    if not new_names:
+        return
+    signature = program.graph_signature
+    program._graph_signature = ExportGraphSignature(
+        input_specs=[
+            replace(spec, target=new_names[spec.target]) if spec.target in new_names else spec
+            for spec in signature.input_specs
+        ],
+        output_specs=list(signature.output_specs),
+    )
+    program._state_dict = {new_names.get(k, k): v for k, v in program.state_dict.items()}
+    program._constants = {new_names.get(k, k): v for k, v in program.constants.items()}

@@ -15,8 +15,10 @@ see one method, know what the other methods do; a partitioner lowered through
 upstream's entry point computes the same marks itself. The scopes backends
 register (`lowering_scopes`) are entered around the call, so whatever a
 backend installed into upstream for it is gone when it returns or raises, and
-torch does less work for the same result (`torch_speedups`). The returned
-manager checks the external constant map at `to_executorch()`.
+torch does less work for the same result (`torch_speedups`). In the returned
+programs, which the lowering made, constants that share a name across methods
+but not their data are renamed apart, so an external constant map
+(`to_executorch` with `external_constants`) gives each method its own data.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from executorch.exir import EdgeProgramManager
 from executorch.exir import to_edge_transform_and_lower as _upstream_to_edge_transform_and_lower
 from torch.export import ExportedProgram
 
-from etfold.exir.emit.external_constants import check_external_constant_names
+from etfold.exir.emit.external_constants import give_distinct_data_distinct_names
 from etfold.exir.program.buffer_marks import mark_buffer_fold_blockers
 from etfold.exir.program.lowering_scopes import lowering_scopes
 from etfold.exir.program.method_marks import (
@@ -50,35 +52,6 @@ def mark_for_lowering(programs: Mapping[str, ExportedProgram]) -> None:
     mark_methods(programs, MARKING_STEPS)
 
 
-class CheckedEdgeProgramManager(EdgeProgramManager):
-    """Upstream's EdgeProgramManager whose `to_executorch` rejects external-constant collisions.
-
-    Adds no state; managers derived through `transform` / `to_backend` stay checked.
-    """
-
-    @classmethod
-    def adopt(cls, manager: EdgeProgramManager) -> CheckedEdgeProgramManager:
-        if not isinstance(manager, EdgeProgramManager):
-            raise TypeError(
-                f"expected an EdgeProgramManager from upstream, got {type(manager).__name__}"
-            )
-        manager.__class__ = cls
-        return manager
-
-    def transform(self, *args, **kwargs):
-        return self.adopt(super().transform(*args, **kwargs))
-
-    def to_backend(self, *args, **kwargs):
-        return self.adopt(super().to_backend(*args, **kwargs))
-
-    def to_executorch(self, *args, **kwargs):
-        executorch = super().to_executorch(*args, **kwargs)
-        check_external_constant_names(
-            {m: executorch.exported_program(m) for m in executorch.methods}
-        )
-        return executorch
-
-
 def to_edge_transform_and_lower(
     programs: ExportedProgram | dict[str, ExportedProgram],
     transform_passes=None,
@@ -88,7 +61,7 @@ def to_edge_transform_and_lower(
     generate_etrecord: bool = False,
     *,
     speedups: bool | None = None,
-) -> CheckedEdgeProgramManager:
+) -> EdgeProgramManager:
     """Upstream's lowering of etfold's marked copies (see module doc).
 
     `speedups`: enter `torch_speedups()` around the call (same bytes, less time); None
@@ -109,4 +82,7 @@ def to_edge_transform_and_lower(
             compile_config=compile_config,
             generate_etrecord=generate_etrecord,
         )
-    return CheckedEdgeProgramManager.adopt(manager)
+    give_distinct_data_distinct_names(
+        {method: manager.exported_program(method) for method in manager.methods}
+    )
+    return manager

@@ -4,7 +4,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""Two methods must not write different tensors under one external constant name."""
+"""Two methods must not write different tensors under one external constant name: etfold's
+lowering renames such constants apart, and the check finds them in any program."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from etfold.exir import (
     constant_prop_pass,
     to_edge_transform_and_lower,
 )
-from etfold.harness.external_data import data_files, load_with_data
+from etfold.exir.emit import check_external_constant_names
+from etfold.harness.external_data import data_files, data_keys, load_with_data
 from etfold.harness.xnnpack_runner import assert_close, eager_outputs, export_method, max_abs_error
 
 torch.manual_seed(0)
@@ -42,14 +44,40 @@ def upstream_named_folds(model, x):
     return {m: constant_prop_pass(export_method(model, m, (x,))) for m in ("forward", "other")}
 
 
-def test_collision_raises_at_to_executorch_with_name_methods_and_cause():
+def _programs_of(executorch):
+    return {m: executorch.exported_program(m) for m in executorch.methods}
+
+
+def test_the_check_names_the_constant_the_methods_and_the_cause():
     model, x = TwoScales().eval(), torch.randn(2, 8)
-    edge = to_edge_transform_and_lower(upstream_named_folds(model, x))
+    edge = upstream_to_edge_transform_and_lower(upstream_named_folds(model, x))
     with pytest.raises(ExternalConstantCollisionError) as error:
-        edge.to_executorch(EXTERNAL)
+        check_external_constant_names(_programs_of(edge.to_executorch(EXTERNAL)))
     message = str(error.value)
     assert "'_prop_tensor_constant0'" in message
     assert "forward" in message and "other" in message and "the data differ" in message
+
+
+def test_etfolds_lowering_gives_each_method_its_own_external_entry():
+    model, x = TwoScales().eval(), torch.randn(2, 8)
+    edge = to_edge_transform_and_lower(upstream_named_folds(model, x))
+    executorch = edge.to_executorch(EXTERNAL)
+    check_external_constant_names(_programs_of(executorch))
+    keys = set().union(*(data_keys(blob) for blob in data_files(executorch).values()))
+    assert {"_prop_tensor_constant0", "_prop_tensor_constant0.other"} <= keys
+    runtime = load_with_data(executorch.buffer, data_files(executorch))
+    for method in ("forward", "other"):
+        assert_close(
+            list(runtime.run_method(method, (x,))), eager_outputs(model, (x,), method), atol=1e-5
+        )
+
+
+def test_the_users_programs_keep_their_names():
+    model, x = TwoScales().eval(), torch.randn(2, 8)
+    progs = upstream_named_folds(model, x)
+    before = {m: str(p.graph_signature) for m, p in progs.items()}
+    to_edge_transform_and_lower(progs)
+    assert {m: str(p.graph_signature) for m, p in progs.items()} == before
 
 
 def test_the_collision_is_real_on_upstreams_path():
