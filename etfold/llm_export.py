@@ -12,7 +12,15 @@ enable_bf16)`, looked up by that name in its own module; neither the command lin
 `LlmConfig` can choose another. Inside `etfold_partitioners()` that name answers with
 etfold's partitioners for the same arguments (`XnnpackDynamicallyQuantizedPartitioner`
 for the quantized linears, `XnnpackPartitioner` for `--xnnpack-extended-ops`), and the
-lowering runs with etfold's speed-ups (same bytes, less work). Only the context that
+lowering runs with etfold's speed-ups (same bytes, less work).
+
+The pipeline asks for the two in that order and lowers with both, one after the other.
+Run so, the first takes the linears alone and the second cannot join what it takes to
+them: every linear is a delegate of its own, about eight per layer. So when the general
+partitioner is asked for after the quantized one, the quantized one defers to it
+(`DeferringDynamicallyQuantizedPartitioner`): the general partitioner, which has the
+dynamically quantized configs too, takes the linears with their neighbours in one pass,
+about one delegate per layer. Only the context that
 entered sees this: another thread exporting meanwhile gets upstream's partitioners, and
 when the last block ends the name is upstream's function again.
 
@@ -25,6 +33,7 @@ takes export_llama's own arguments (`python -m executorch.examples.models.llama.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import inspect
 from collections.abc import Iterator, Sequence
@@ -35,16 +44,33 @@ EXPORT_LLAMA_LIB = "executorch.examples.models.llama.export_llama_lib"
 PARTITIONER_FACTORY = "get_xnnpack_partitioner"
 
 
+# the quantized-linear partitioner this context answered last, until a general one follows
+_ASKED_FIRST: contextvars.ContextVar = contextvars.ContextVar(
+    "etfold_llm_asked_first", default=None
+)
+
+
 def etfold_xnnpack_partitioner(
     dynamic_quant_only_partitioner: bool = True, enable_bf16: bool = False
 ):
     """etfold's answer to upstream's `get_xnnpack_partitioner`: the same choice of
-    partitioner for the same arguments, made of etfold's classes."""
-    from etfold.backends.xnnpack import XnnpackDynamicallyQuantizedPartitioner, XnnpackPartitioner
+    partitioner for the same arguments, made of etfold's classes; a general one asked
+    for after a quantized one with the same bf16 setting takes over its work."""
+    from etfold.backends.xnnpack import XnnpackPartitioner
+    from etfold.backends.xnnpack.partition.deferring import (
+        DeferringDynamicallyQuantizedPartitioner,
+    )
 
     if dynamic_quant_only_partitioner:
-        return XnnpackDynamicallyQuantizedPartitioner(enable_bf16=enable_bf16)
-    return XnnpackPartitioner(enable_bf16=enable_bf16)
+        first = DeferringDynamicallyQuantizedPartitioner(enable_bf16=enable_bf16)
+        _ASKED_FIRST.set(first)
+        return first
+    general = XnnpackPartitioner(enable_bf16=enable_bf16)
+    first = _ASKED_FIRST.get()
+    if first is not None and first._user_enable_bf16 == enable_bf16:
+        first.defer_to(general)
+    _ASKED_FIRST.set(None)
+    return general
 
 
 def _checked_factory(pipeline) -> None:
@@ -77,8 +103,12 @@ def etfold_partitioners() -> Iterator[None]:
     XNNPACK partitioners (and etfold's lowering speed-ups)."""
     from etfold.harness.lowering_speedups import lowering_speedups
 
-    with PATCH.scope(), lowering_speedups():
-        yield
+    token = _ASKED_FIRST.set(None)
+    try:
+        with PATCH.scope(), lowering_speedups():
+            yield
+    finally:
+        _ASKED_FIRST.reset(token)
 
 
 def export_llama(options: Sequence[str] | object) -> str:

@@ -51,13 +51,58 @@ def test_partitioner_requests_get_etfolds_partitioners_inside_the_scope(pipeline
     with etfold_partitioners():
         dynamic = pipeline.get_xnnpack_partitioner(dynamic_quant_only_partitioner=True)
         extended = pipeline.get_xnnpack_partitioner(False, enable_bf16=True)
-    assert type(dynamic) is XnnpackDynamicallyQuantizedPartitioner
+    assert isinstance(dynamic, XnnpackDynamicallyQuantizedPartitioner)
     assert type(extended) is XnnpackPartitioner
     assert extended._user_enable_bf16 is True
+    assert dynamic.deferred_to is None  # another bf16 setting: not the same lowering
     assert vars(pipeline)[PARTITIONER_FACTORY] is original
     assert (
         type(pipeline.get_xnnpack_partitioner(True))
         is upstream.XnnpackDynamicallyQuantizedPartitioner
+    )
+
+
+def test_the_quantized_partitioner_defers_to_a_general_one_asked_for_after_it(pipeline):
+    with etfold_partitioners():
+        alone = pipeline.get_xnnpack_partitioner(True)
+        first = pipeline.get_xnnpack_partitioner(True)
+        general = pipeline.get_xnnpack_partitioner(False)
+        later = pipeline.get_xnnpack_partitioner(False)
+    assert alone.deferred_to is None and first.deferred_to is general
+    assert later is not general
+
+
+def test_a_deferring_partitioner_takes_nothing_and_its_successor_takes_the_linears():
+    from executorch.exir import to_edge_transform_and_lower as upstream_lower
+
+    from etfold.backends.xnnpack.partition.deferring import (
+        DeferringDynamicallyQuantizedPartitioner,
+    )
+    from etfold.harness.xnnpack_runner import assert_close, eager_outputs, load_program
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.SiLU(), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
+    ).eval()
+    x = torch.randn(2, 8)
+
+    def lowered(defer: bool):
+        first, general = DeferringDynamicallyQuantizedPartitioner(), XnnpackPartitioner()
+        if defer:
+            first.defer_to(general)
+        program = torch.export.export(model, (x,))
+        return upstream_lower(program, partitioner=[first, general]).to_executorch()
+
+    calls = {defer: _delegate_calls(lowered(defer)) for defer in (False, True)}
+    assert calls == {False: 4, True: 1}  # each linear, the SiLU and the norm alone; all in one
+    runtime = load_program(lowered(True))
+    assert_close(list(runtime.run_method("forward", (x,))), eager_outputs(model, (x,)), atol=1e-5)
+
+
+def _delegate_calls(executorch) -> int:
+    return sum(
+        1
+        for node in executorch.exported_program().graph.nodes
+        if node.target is torch.ops.higher_order.executorch_call_delegate
     )
 
 
@@ -120,7 +165,7 @@ MODES = [
 def test_export_llama_with_etfold_runs_like_stock(model_files, tmp_path, mode, atol):
     programs = _exports(model_files, tmp_path, mode)
     stock, etfold = (pte_contents(programs[f]) for f in ("stock", "etfold"))
-    assert etfold.delegate_calls <= stock.delegate_calls
+    assert etfold.delegate_calls <= TINY.n_layers + 2 < stock.delegate_calls
     assert set(ops_outside(etfold)) <= set(ops_outside(stock))
 
     expected = prefill_then_decode(programs["stock"], PROMPT, NEXT_TOKEN)
