@@ -165,7 +165,10 @@ MODES = [
 def test_export_llama_with_etfold_runs_like_stock(model_files, tmp_path, mode, atol):
     programs = _exports(model_files, tmp_path, mode)
     stock, etfold = (pte_contents(programs[f]) for f in ("stock", "etfold"))
-    assert etfold.delegate_calls <= TINY.n_layers + 2 < stock.delegate_calls
+    if mode == "bf16":  # the quantized partitioner does not defer in bf16 programs
+        assert etfold.delegate_calls <= stock.delegate_calls
+    else:  # one delegate per layer, one after the last norm, one for the output head
+        assert etfold.delegate_calls <= TINY.n_layers + 2 < stock.delegate_calls
     assert set(ops_outside(etfold)) <= set(ops_outside(stock))
 
     expected = prefill_then_decode(programs["stock"], PROMPT, NEXT_TOKEN)

@@ -10,23 +10,26 @@ A pipeline that lowers with the dynamically quantized partitioner and then with 
 general one (ExecuTorch's LLM export does) gets each linear as a delegate of its own:
 the second partitioner cannot join its partitions to the first one's delegates. The
 general partitioner enables the dynamically quantized configs as well, so when it
-follows in the same lowering, this one takes nothing (no kept ops, no rewrites, no
-partitions) and the linears are partitioned with their neighbours.
+follows in the same lowering, this one partitions nothing, and the linears are
+partitioned with their neighbours (not in bf16 programs, where it was measured to leave
+linears outside). It still keeps its ops from decomposition and runs
+its rewrites: the linears reach the general partitioner in the form this one keeps.
 """
 
 from __future__ import annotations
 
-import logging
-
 from executorch.exir.backend.partitioner import PartitionResult
 from torch.export import ExportedProgram
 
+from etfold.decisions import record_applied, record_declined
+
+from etfold.backends.xnnpack.partition.bf16_delegation import bf16_applies
 from etfold.backends.xnnpack.partition.dynamically_quantized import (
     XnnpackDynamicallyQuantizedPartitioner,
 )
 from etfold.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
-logger = logging.getLogger(__name__)
+FOLD = "xnnpack.deferred_linears"
 
 
 class DeferringDynamicallyQuantizedPartitioner(XnnpackDynamicallyQuantizedPartitioner):
@@ -42,21 +45,14 @@ class DeferringDynamicallyQuantizedPartitioner(XnnpackDynamicallyQuantizedPartit
             raise ValueError("only a whole-graph etfold XnnpackPartitioner can take it over")
         self.deferred_to = general
 
-    def ops_to_not_decompose(self, ep: ExportedProgram):
-        if self.deferred_to is None:
-            return super().ops_to_not_decompose(ep)
-        return [], None
-
-    def transform_for_pre_decomposition(self, exported_program: ExportedProgram):
-        if self.deferred_to is None:
-            return super().transform_for_pre_decomposition(exported_program)
-        return exported_program
-
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         if self.deferred_to is None:
             return super().partition(exported_program)
-        logger.info(
-            "dynamically quantized partitioner: deferred to the general partitioner that"
-            " follows, which takes the linears with their neighbours"
-        )
+        if bf16_applies(exported_program, self._user_enable_bf16):
+            # measured: the general partitioner's bf16 settings leave bf16 linears outside
+            record_declined(
+                FOLD, "program", "bf16 program: the general partitioner may not take every linear"
+            )
+            return super().partition(exported_program)
+        record_applied(FOLD, "program", "the general partitioner takes the linears with the rest")
         return PartitionResult(tagged_exported_program=exported_program, partition_tags={})
