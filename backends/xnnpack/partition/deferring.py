@@ -21,13 +21,12 @@ from __future__ import annotations
 from executorch.exir.backend.partitioner import PartitionResult
 from torch.export import ExportedProgram
 
-from etfold.decisions import record_applied, record_declined
-
 from etfold.backends.xnnpack.partition.bf16_delegation import bf16_applies
 from etfold.backends.xnnpack.partition.dynamically_quantized import (
     XnnpackDynamicallyQuantizedPartitioner,
 )
 from etfold.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+from etfold.decisions import record_applied, record_declined
 
 FOLD = "xnnpack.deferred_linears"
 
