@@ -21,9 +21,10 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import ExportGraphSignature, InputKind, OutputKind
+from torch.export.graph_signature import ExportGraphSignature, InputKind
 
 from etfold.exir.passes.graph_walk import stored_value, tensor_digest
+from etfold.exir.program.buffer_marks import state_writes
 
 
 class ExternalConstantCollisionError(ValueError):
@@ -99,14 +100,9 @@ _STORED_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSO
 
 
 def _stored_constants(programs: Mapping[str, ExportedProgram]):
-    """(method, name, tensor) of every stored input but mutated buffers: a buffer written
+    """(method, name, tensor) of every stored input but written state: a buffer written
     under one name in several methods is state they share, and keeps its name."""
-    written = {
-        spec.target
-        for program in programs.values()
-        for spec in program.graph_signature.output_specs
-        if spec.kind == OutputKind.BUFFER_MUTATION
-    }
+    written = {fqn for program in programs.values() for fqn in state_writes(program)}
     for method, program in programs.items():
         for spec in program.graph_signature.input_specs:
             if spec.kind in _STORED_KINDS and spec.target not in written | {None}:

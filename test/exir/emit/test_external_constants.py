@@ -128,3 +128,31 @@ def test_register_like_source_names_pass_the_check():
         assert_close(
             list(runtime.run_method(method, (x,))), eager_outputs(model, (x,), method), atol=1e-5
         )
+
+
+class Counter(torch.nn.Module):
+    def __init__(self, start: float):
+        super().__init__()
+        self.register_buffer("count", torch.full((2,), start))
+        self.w = torch.nn.Parameter(torch.full((2,), start))
+
+    def forward(self, x):
+        self.count.add_(1)
+        return x * self.w + self.count
+
+
+def test_renaming_gives_each_data_one_name_and_leaves_written_state_alone():
+    from etfold.exir.emit.external_constants import give_distinct_data_distinct_names
+
+    x = torch.randn(2)
+    progs = {
+        "a": torch.export.export(Counter(1.0), (x,)),
+        "b": torch.export.export(Counter(2.0), (x,)),
+        "c": torch.export.export(Counter(1.0), (x,)),
+    }
+    renames = give_distinct_data_distinct_names(progs)
+    assert renames == {("b", "w"): "w.b"}  # c holds a's data; the written buffer is state
+    assert torch.equal(progs["b"].state_dict["w.b"], torch.full((2,), 2.0))
+    assert "w" not in progs["b"].state_dict and "count" in progs["b"].state_dict
+    assert {s.target for s in progs["b"].graph_signature.input_specs} >= {"w.b", "count"}
+    assert progs["b"].module()(x).shape == (2,)
