@@ -64,6 +64,7 @@ LAYERS = (
             "etfold.backends",
             "etfold.backends.xnnpack.partition.xnnpack_partitioner",
             "etfold.backends.xnnpack.partition.dynamically_quantized",
+            "etfold.backends.xnnpack.partition.deferring",
             "etfold.backends.xnnpack.install",
             "etfold.backends.arm.registration",
         ),
