@@ -115,8 +115,9 @@ def give_distinct_data_distinct_names(programs: Mapping[str, ExportedProgram]) -
     """Rename, in place, each constant whose name other methods hold with different data,
     so whichever constants `to_executorch` later tags external get one entry per tensor.
 
-    Only for programs the caller owns (a lowering's results). The methods holding a
-    name's first data keep it; each other method's constant becomes `name.method`.
+    Only for programs the caller owns (a lowering's results). Methods are taken in
+    name order, whatever order the mapping has: those holding the first method's data
+    keep the name; each other method's constant becomes `name.method`.
     Returns {(method, old name): new name}.
     """
     by_name = defaultdict(dict)
@@ -128,7 +129,7 @@ def give_distinct_data_distinct_names(programs: Mapping[str, ExportedProgram]) -
         if len(values) < 2:
             continue
         first = None
-        for method, value in values.items():
+        for method, value in sorted(values.items(), key=lambda item: item[0]):
             digest = tensor_digest(value)
             first = first or digest
             if digest != first:

@@ -156,3 +156,16 @@ def test_renaming_gives_each_data_one_name_and_leaves_written_state_alone():
     assert "w" not in progs["b"].state_dict and "count" in progs["b"].state_dict
     assert {s.target for s in progs["b"].graph_signature.input_specs} >= {"w.b", "count"}
     assert progs["b"].module()(x).shape == (2,)
+
+
+def test_the_renaming_does_not_depend_on_the_order_methods_come_in():
+    from etfold.exir.emit.external_constants import give_distinct_data_distinct_names
+
+    x = torch.randn(2)
+
+    def programs(order):
+        values = {"a": 1.0, "b": 2.0, "c": 1.0}
+        return {m: torch.export.export(Counter(values[m]), (x,)) for m in order}
+
+    assert give_distinct_data_distinct_names(programs("abc")) == {("b", "w"): "w.b"}
+    assert give_distinct_data_distinct_names(programs("bca")) == {("b", "w"): "w.b"}
