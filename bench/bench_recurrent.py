@@ -16,9 +16,8 @@ as upstream's LSTM op test):
   lstm_large  LSTM(128, 256) on (1, 50, 128)
 
 Lowerings: stock = upstream XnnpackPartitioner through upstream to_edge_transform_and_lower;
-etfold = etfold's XnnpackPartitioner through etfold.exir.to_edge_transform_and_lower;
-etfold+own = the same, with `own_folded_constants` run on the partitioner's result
-(what the partitioner does once it calls it).
+etfold = etfold's XnnpackPartitioner through etfold.exir.to_edge_transform_and_lower
+(its partition result owns the folded constants: `own_folded_constants`).
 
 Columns: delegates; state inputs = parameters / buffers / constants passed into a
 delegate call as runtime inputs (0: every weight is the delegate's own static data);
@@ -40,7 +39,6 @@ from executorch.exir import to_edge_transform_and_lower as upstream_lower
 from torch.export.graph_signature import InputKind
 
 from etfold.backends.xnnpack import XnnpackPartitioner
-from etfold.backends.xnnpack.partition.weight_fold_ownership import own_folded_constants
 from etfold.exir import to_edge_transform_and_lower as etfold_lower
 from etfold.harness.timing import time_interleaved
 from etfold.harness.xnnpack_runner import (
@@ -74,15 +72,9 @@ MODELS = {
 }
 
 
-class OwningPartitioner(XnnpackPartitioner):
-    def partition(self, exported_program):
-        return own_folded_constants(super().partition(exported_program))
-
-
 LOWERINGS = {
     "stock": (UpstreamXnnpackPartitioner, upstream_lower),
     "etfold": (XnnpackPartitioner, etfold_lower),
-    "etfold+own": (OwningPartitioner, etfold_lower),
 }
 
 
