@@ -83,6 +83,6 @@ def to_edge_transform_and_lower(
             generate_etrecord=generate_etrecord,
         )
     give_distinct_data_distinct_names(
-        {method: manager.exported_program(method) for method in sorted(manager.methods)}
+        {method: manager.exported_program(method) for method in manager.methods}
     )
     return manager
