@@ -7,27 +7,36 @@
 """Keep attention's scores in the batched-matmul shape between its two matmuls.
 
 Given:   s = view(bmm(q, k), [1, H, t, u])          bmm(q, k): [H, t, u]
-         p = f(s)                                   f: a chain of `+ m`, `* c`, `/ c`,
-                                                       a softmax over the last dim, and
-                                                       expands to the same shape
+         p = f(s)                                   f: `+ m`, `* c`, `/ c`, a softmax
+                                                       over the last dim, expands to
+                                                       the same shape, and the safe
+                                                       softmax's guard (below)
          o = bmm(view(p, [H, t, u]), v)
 Result:  p' = f'(bmm(q, k))                         f' reads m squeezed of its leading 1
          o = bmm(p', v)
 
-A view that prepends or drops a leading 1 moves no data, and every op of the
-chain is elementwise or normalizes along the last dim, so computing it on the
-[H, t, u] tensor gives the same values; a mask of rank 4 broadcast over `[1, H,
-t, u]` has a leading 1 (or the chain would be 4-D past its first dim), which a
-squeeze drops. Why: torch's SDPA decomposition writes these views, and on a
-dynamic sequence each holds the sequence size twice (t and u), so XNNPACK's
-reshape, which infers one size, takes neither: each attention layer splits
-into three delegates around them. Only then is it rewritten: a static program
-keeps its views, which XNNPACK delegates.
+The guard is what SDPA writes when a mask may hide a whole row:
+         g = where(logical_not(any(logical_not(eq(s + m, -inf)), -1, keepdim)),
+                   full_like(softmax(s + m), 0), softmax(s + m))
 
-Declines: a view whose sizes XNNPACK's reshape takes (nothing to gain), a chain
-op read elsewhere, an op outside the chain's set. Runs on the ATen program,
-before decomposition; a program holding an SDPA is decomposed first with the
-lowering's table.
+A view that prepends or drops a leading 1 moves no data, and every op of f is
+elementwise, normalizes along the last dim, or reduces it keeping it as 1; every
+value of f is 4-D with a leading 1 (checked), so broadcasting, aligned from the
+last dim, gives on the [H, t, u] tensors the same values with that 1 dropped; a
+mask of rank 4 broadcast over `[1, H, t, u]` has a leading 1 (or the values would
+not), which a squeeze drops. Why: torch's SDPA decomposition writes these views,
+and on a dynamic sequence each holds the sequence size twice (t and u), so
+XNNPACK's reshape, which infers one size, takes neither: each attention layer
+splits into three delegates around them. Only then is it rewritten: a static
+program keeps its views, which XNNPACK delegates.
+
+f is the region between the views: every op reached from `s` before the view
+back. Declines: a view whose sizes XNNPACK's reshape takes (nothing to gain), an
+op of the region outside f's set, the scores leaving through other than one view
+back, a value of f not 4-D with a leading 1, an op of f reading a value from
+outside it other than as its mask, no softmax. Runs on the ATen program, before
+decomposition; a program holding an SDPA is decomposed first with the lowering's
+table.
 """
 
 from __future__ import annotations
@@ -52,14 +61,25 @@ VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.de
 ELEMENTWISE = frozenset(
     {aten.add.Tensor, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
 )
+# the safe softmax's guard: each reads region values only, besides scalars
+GUARD = frozenset(
+    {
+        aten.eq.Scalar,
+        aten.logical_not.default,
+        aten.any.dim,
+        aten.full_like.default,
+        aten.where.self,
+    }
+)
+LAST_DIM = (-1, 3)
 
 
 @dataclass(frozen=True)
 class ScoresChain:
     lifted: Node  # view(bmm, [1, H, t, u])
-    chain: tuple[Node, ...]  # the elementwise ops, the softmax and same-shape expands, in order
-    lowered: Node  # view(chain[-1], [H, t, u])
-    dropped: frozenset[Node]  # the chain's same-shape expands
+    chain: tuple[Node, ...]  # the region's ops between the views, in graph order
+    lowered: Node  # view(the region's last value, [H, t, u])
+    dropped: frozenset[Node]  # the region's same-shape expands
 
 
 def _value(node: object):
@@ -85,36 +105,72 @@ def _is_identity_expand(node: Node) -> bool:
     return _same_shape(_value(node).shape, _value(node.args[0]).shape)
 
 
-def _chain_op(node: Node) -> bool:
-    if _is_identity_expand(node):
-        return True
-    if node.target is aten._softmax.default:
-        return node.args[1] in (-1, 3)
-    if node.target not in ELEMENTWISE:
-        return False
-    other = node.args[1]
-    if not isinstance(other, Node):
-        return isinstance(other, (int, float))
-    mask = _value(other)
+def _is_mask(operand: object) -> bool:
+    """A second operand an elementwise op of f may read from outside it."""
+    if not isinstance(operand, Node):
+        return isinstance(operand, (int, float))
+    mask = _value(operand)
     return mask is not None and (mask.dim() < 4 or sizes_known_equal(mask.shape[0], 1))
 
 
-def _the_chain(lifted: Node) -> tuple[list[Node], Node] | Declined:
-    """The chain after `lifted` up to the view back, each op read only by the next."""
-    chain, node = [], lifted
-    while len(node.users) == 1:
-        (user,) = node.users
-        if user.target in VIEWS:
-            return chain, user
-        if user.args[0] is not node or not _chain_op(user):
-            return Declined(f"`{user.name}` ({user.target}) is not an elementwise op or softmax")
-        chain.append(user)
-        node = user
-    return Declined(f"`{node.name}` is read by {len(node.users)} ops, not one view back")
+def _region_op(node: Node) -> bool:
+    """`node`'s op is one f may hold (what it reads is checked on the whole region)."""
+    if node.op != "call_function":
+        return False
+    if _is_identity_expand(node) or node.target in ELEMENTWISE or node.target in GUARD:
+        if node.target is aten.any.dim:
+            return len(node.args) == 3 and node.args[1] in LAST_DIM and node.args[2] is True
+        return True
+    return node.target is aten._softmax.default and node.args[1] in LAST_DIM
+
+
+def _outside_inputs(node: Node, inside: set[Node]) -> list[Node]:
+    """The values `node` reads from outside `inside`, its elementwise mask aside."""
+    reads = [a for a in node.args if isinstance(a, Node)]
+    if node.target in ELEMENTWISE and len(node.args) > 1 and node.args[1] not in inside:
+        if not _is_mask(node.args[1]):
+            return [node.args[1]]
+        reads = [node.args[0]]
+    return [read for read in reads if read not in inside]
+
+
+def _the_region(lifted: Node) -> tuple[list[Node], Node] | Declined:
+    """Every op reached from `lifted` before the view back, in graph order, and that view."""
+    region: set[Node] = set()
+    views: list[Node] = []
+    frontier = [lifted]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in region or user in views:
+                continue
+            if user.target in VIEWS:
+                views.append(user)
+            elif not _region_op(user):
+                return Declined(
+                    f"`{user.name}` ({user.target}) is not an elementwise op, a softmax "
+                    "or its guard"
+                )
+            else:
+                region.add(user)
+                frontier.append(user)
+    if len(views) != 1 or views[0].args[0] not in region:
+        return Declined(f"the scores leave through {len(views)} views, not one view back of f")
+    for node in region:
+        value = _value(node)
+        if value is None or value.dim() != 4 or not sizes_known_equal(value.shape[0], 1):
+            return Declined(f"`{node.name}` is not 4-D with a leading 1")
+        if outside := _outside_inputs(node, region | {lifted}):
+            return Declined(
+                f"`{node.name}` reads `{outside[0].name}` from outside f, not as a mask"
+            )
+    (lowered,) = views
+    order = {node: index for index, node in enumerate(lifted.graph.nodes)}
+    return sorted(region, key=order.__getitem__), lowered
 
 
 def match_scores_chain(node: Node) -> ScoresChain | Declined | None:
-    """The chain anchored at `node`, a view lifting a bmm's scores, or why it stays."""
+    """The region anchored at `node`, a view lifting a bmm's scores, or why it stays."""
     if node.op != "call_function" or node.target not in VIEWS:
         return None
     source = node.args[0]
@@ -122,12 +178,11 @@ def match_scores_chain(node: Node) -> ScoresChain | Declined | None:
         return None
     if len(symbolic_axes(_value(node))) < 2:
         return None  # XNNPACK's reshape takes it: nothing to gain
-    found = _the_chain(node)
+    found = _the_region(node)
     if isinstance(found, Declined):
         return found
     chain, lowered = found
-    computed = [op for op in chain if not _is_identity_expand(op)]
-    if not computed or computed[-1].target is not aten._softmax.default:
+    if not any(op.target is aten._softmax.default for op in chain):
         return Declined("the scores reach the view back without a softmax")
     if not _same_shape(_value(lowered).shape, _value(source).shape):
         return Declined("the view back does not give the scores' bmm shape")
@@ -143,25 +198,26 @@ def _squeezed(graph, anchor: Node, mask: Node) -> Node:
 
 
 def rewrite_scores_chain(match: ScoresChain) -> None:
-    """The chain reads the bmm; 4-D masks read squeezed; the views go."""
+    """The region reads the bmm; 4-D masks read squeezed; last dims become -1; the
+    views and same-shape expands go."""
     graph, bmm = match.lifted.graph, match.lifted.args[0]
-    previous = bmm
+    inside = set(match.chain)
+    match.lifted.replace_all_uses_with(bmm)
     for node in match.chain:
         if node in match.dropped:
-            node.replace_all_uses_with(previous)
+            node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             continue
         args = list(node.args)
-        args[0] = previous
-        if isinstance(args[1], Node) and _value(args[1]).dim() == 4:
-            args[1] = _squeezed(graph, node, args[1])
-        if node.target is aten._softmax.default:
+        mask = args[1] if node.target in ELEMENTWISE else None
+        if isinstance(mask, Node) and mask not in inside and _value(mask).dim() == 4:
+            args[1] = _squeezed(graph, node, mask)
+        if node.target in (aten._softmax.default, aten.any.dim):
             args[1] = -1
         node.args = tuple(args)
         operands = [_value(a) if isinstance(a, Node) else a for a in args]
         node.meta["val"] = node.target(*operands, **node.kwargs)
-        previous = node
-    match.lowered.replace_all_uses_with(previous)
+    match.lowered.replace_all_uses_with(match.lowered.args[0])
     graph.erase_node(match.lowered)
     graph.erase_node(match.lifted)
     record_applied(FOLD, match.lifted.name, f"{len(match.chain)} ops on `{bmm.name}`'s shape")

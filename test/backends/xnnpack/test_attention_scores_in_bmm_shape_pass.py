@@ -83,3 +83,89 @@ def test_a_static_program_keeps_its_views():
         assert attention_scores_in_bmm_shape(program, table) is program
     assert program.graph_module.code == code
     assert [d for d in decisions if d.fold == FOLD] == []
+
+
+class PaddedAttention(Attention):
+    """Attention under a [1, t] padding mask from the user: SDPA keeps its safe-softmax
+    guard, since every key of a row may be hidden."""
+
+    def forward(self, x, keep):
+        b, t, d = x.shape
+        qkv = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(*qkv, attn_mask=keep[:, None, None, :])
+        return self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
+def _padded_sequence(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    keep = torch.ones(1, length, dtype=torch.bool)
+    keep[0, length - length // 3 :] = False
+    return _sequence(length)[0], keep
+
+
+def test_the_safe_softmax_guard_keeps_the_bmm_shape_too():
+    torch.manual_seed(0)
+    axis = LengthAxis(((1,), (1,)), 2, 16, 6)
+    pair = lower_static_and_dynamic(
+        PaddedAttention(), _padded_sequence, axis, lambda: [XnnpackPartitioner()]
+    )
+    (applied,) = [d for d in pair.dynamic.decisions if d.fold == FOLD]
+    # the add, the softmax and the guard's eq, 2 logical_nots, any, full_like and where
+    assert applied.applied and applied.detail.startswith("9 ops")
+    static_only, dynamic_only = decisions_apart(pair, lambda fold: fold == FOLD)
+    assert not static_only and dynamic_only == Counter({(FOLD, True, ""): 1})
+    # the guard stays outside, in both; no view does
+    assert pair.dynamic.program.delegates() <= pair.static.program.delegates()
+    assert VIEW not in pair.dynamic.program.ops_outside()
+    errors = dynamic_errors(pair)
+    assert {axis.low, axis.high} <= set(errors) and max(errors.values()) <= 1e-5, errors
+
+
+class Scores(torch.nn.Module):
+    """bmm, a view to [1, H, t, t], `between`, a view back, bmm: SDPA's shape, by hand."""
+
+    def __init__(self, between):
+        super().__init__()
+        self.between = between
+
+    def forward(self, q, k, v, mask):
+        heads, t, _ = q.shape
+        scores = torch.bmm(q, k).view(1, heads, t, t)
+        out = self.between(scores, mask)
+        if isinstance(out, tuple):  # a second reader of the scores, added to the result
+            out, extra = out
+            return torch.bmm(out.reshape(heads, t, t), v) + extra
+        return torch.bmm(out.reshape(heads, t, t), v)
+
+
+def _softmax(s):
+    return torch.ops.aten._softmax(s, -1, False)  # the op SDPA's decomposition writes
+
+
+def _second_view(s, mask):
+    return _softmax(s), s.reshape(s.shape[1:])[..., :1]
+
+
+BETWEEN = {
+    "not an elementwise op": (lambda s, mask: _softmax(s.relu()), "mask4"),
+    "views, not one view back": (_second_view, "mask4"),
+    "not 4-D with a leading 1": (lambda s, mask: _softmax(s + mask), "mask5"),
+    "from outside f, not as a mask": (lambda s, mask: _softmax(mask * s), "mask4"),
+    "without a softmax": (lambda s, mask: s * 2.0, "mask4"),
+}
+
+
+@pytest.mark.parametrize("reason", BETWEEN)
+def test_declines_when(reason):
+    between, mask_kind = BETWEEN[reason]
+    heads, t = 2, 5
+    mask = torch.zeros((1, 1, 1, 1, t) if mask_kind == "mask5" else (1, 1, 1, t))
+    inputs = (torch.randn(heads, t, 4), torch.randn(heads, 4, t), torch.randn(heads, t, 4), mask)
+    length = torch.export.Dim("t", min=2, max=16)
+    shapes = ({1: length}, {2: length}, {1: length}, {mask.dim() - 1: length})
+    program = torch.export.export(Scores(between).eval(), inputs, dynamic_shapes=shapes)
+    code = program.graph_module.code
+    with collect_decisions() as decisions:
+        assert attention_scores_in_bmm_shape(program, None) is program
+    assert program.graph_module.code == code
+    (declined,) = [d for d in decisions if d.fold == FOLD]
+    assert not declined.applied and reason in declined.detail, declined.detail
