@@ -35,6 +35,10 @@ from etfold.backends.xnnpack._passes.clamp_chains_as_one_pass import clamp_chain
 from etfold.backends.xnnpack._passes.contiguous_last_axis_inputs_pass import (
     read_last_axis_normalizations_contiguous,
 )
+from etfold.backends.xnnpack._passes.elementwise_before_slices_pass import (
+    delegated_unary_ops,
+    elementwise_ops_before_slices,
+)
 from etfold.backends.xnnpack._passes.expand_as_delegated_ops_pass import (
     BROADCASTING_OPS,
     COPY_TARGETS,
@@ -108,6 +112,11 @@ def _fold_weights(program: ExportedProgram, inputs: RewriteInputs) -> ExportedPr
 def _expands(program: ExportedProgram, inputs: RewriteInputs) -> ExportedProgram:
     broadcasting = [op for op, target in BROADCASTING_OPS.items() if target in _configs(inputs)]
     return expands_as_delegated_ops(program, inputs.table, broadcasting, bf16=inputs.bf16)
+
+
+def _elementwise_before_slices(program: ExportedProgram, inputs: RewriteInputs) -> ExportedProgram:
+    ops = delegated_unary_ops(_configs(inputs).keys())
+    return elementwise_ops_before_slices(program, ops, bf16=inputs.bf16)
 
 
 def _shape_ops(program: ExportedProgram, inputs: RewriteInputs) -> ExportedProgram:
@@ -213,6 +222,13 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         lambda program, inputs: splits_as_slices(program, bf16=inputs.bf16),
         configs=frozenset({"slice_copy.Tensor"}),
         bf16_ops=("slice_copy.Tensor",),
+    ),
+    PreDecompositionRewrite(
+        "elementwise_ops_before_slices",
+        _elementwise_before_slices,
+        configs=frozenset({"slice_copy.Tensor"}),
+        bf16_ops=("slice_copy.Tensor",),
+        after=(("splits_as_slices", "sees a recurrent cell's gates as slices"),),
     ),
     PreDecompositionRewrite(
         "mul_scalars_as_tensors",

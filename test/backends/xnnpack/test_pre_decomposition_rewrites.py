@@ -39,6 +39,7 @@ DECLARED = [
     "layer_norms_as_delegated_ops",
     "means_over_last_dim_as_pooling",
     "splits_as_slices",
+    "elementwise_ops_before_slices",
     "mul_scalars_as_tensors",
 ]
 GRAPH_MODE_ONLY = {
@@ -108,7 +109,7 @@ def test_the_partitioners_flags_enable_their_rewrites():
     [
         ("_softmax.default", {"safe_softmaxes_as_softmax", "attention_scores_in_bmm_shape"}),
         ("mean.dim", {"layer_norms_as_delegated_ops", "means_over_last_dim_as_pooling"}),
-        ("slice_copy.Tensor", {"splits_as_slices"}),
+        ("slice_copy.Tensor", {"splits_as_slices", "elementwise_ops_before_slices"}),
     ],
 )
 def test_a_rewrite_whose_configs_are_missing_is_skipped(missing, skipped):
@@ -150,6 +151,7 @@ def test_each_rewrite_is_handed_the_table_it_declares_and_its_bf16_setting(dtype
         "expands_as_delegated_ops",
         "shape_ops_as_views",
         "splits_as_slices",
+        "elementwise_ops_before_slices",
         "mul_scalars_as_tensors",
     }
     assert in_bf16 == (expected if dtype is torch.bfloat16 else set())
