@@ -117,6 +117,17 @@ def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
     return seen
 
 
+def drop_unread(nodes: list[torch.fx.Node]) -> None:
+    """Each pure op among `nodes`, and those it reads in turn, that nothing reads now."""
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node.op != "call_function" or node.users or node.is_impure():
+            continue
+        stack.extend(node.all_input_nodes)
+        node.graph.erase_node(node)
+
+
 def is_plain_tensor(value) -> bool:
     return type(value) in (torch.Tensor, torch.nn.Parameter)
 

@@ -25,10 +25,14 @@ from collections.abc import Mapping
 
 import sympy
 import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from etfold.decisions import Declined
 from etfold.exir.passes.constant_prop.evaluate import evaluate
+from etfold.exir.passes.constant_prop.verdicts import EVERY_METHOD, source_verdict
+from etfold.exir.passes.graph_walk import StateFacts, ancestors, input_kinds
 
 aten = torch.ops.aten
 
@@ -116,16 +120,51 @@ def values_at_every_size(
             f"dynamic shape: the mask takes {elements} elements over its "
             f"{len(assignments)} sizes, over {MAX_ELEMENTS} to check"
         )
-    ordered = [node for node in mask.graph.nodes if node in cone and node.op == "call_function"]
     found = []
     for assignment in assignments:
-        values: dict[Node, object] = dict(sources)
-        values.update({read: concrete(read.meta["val"], assignment) for read in reads})
-        for node in ordered:
-            if node not in values:
-                value = evaluate(node, values)
-                if isinstance(value, Declined):
-                    return Declined(f"the mask at {assignment}: {value.reason}")
-                values[node] = value
-        found.append((assignment, values[mask]))
+        value = _value_at(mask, cone, sources, reads, assignment)
+        if isinstance(value, Declined):
+            return Declined(f"the mask at {assignment}: {value.reason}")
+        found.append((assignment, value))
     return found
+
+
+def _value_at(
+    node: Node, cone: set[Node], sources: Mapping, reads: list[Node], assignment: Mapping
+) -> object:
+    """`node`'s value with each size read at `assignment`, or a Declined."""
+    ordered = [n for n in node.graph.nodes if n in cone and n.op == "call_function"]
+    values: dict[Node, object] = dict(sources)
+    values.update({read: concrete(read.meta["val"], assignment) for read in reads})
+    for current in ordered:
+        if current not in values:
+            value = evaluate(current, values)
+            if isinstance(value, Declined):
+                return value
+            values[current] = value
+    return values[node]
+
+
+def known_at_every_size(
+    program: ExportedProgram, node: Node, facts: StateFacts
+) -> list[tuple[dict, torch.Tensor]] | Declined:
+    """(assignment, `node`'s value there) for every size its bounds allow, or the one
+    value (at `{}`) when it reads no size; Declined when it reads a user input's values,
+    or a placeholder not known when lowering in every method."""
+    cone = ancestors(node)
+    kinds = input_kinds(program)
+    sources = {}
+    for placeholder in (n for n in cone if n.op == "placeholder"):
+        if placeholder is not node and reads_sizes_only(placeholder, cone):
+            continue
+        if kinds.get(placeholder.name) == InputKind.USER_INPUT:
+            return Declined(f"`{node.name}` reads the values of user input {placeholder.name}")
+        verdict = source_verdict(program, placeholder, EVERY_METHOD, facts)
+        if verdict is None or isinstance(verdict, Declined):
+            why = verdict.reason if verdict is not None else "not a constant"
+            return Declined(f"`{node.name}` is not known when lowering: {why}")
+        sources[placeholder] = verdict.tensor
+    if not size_reads(cone):
+        value = _value_at(node, cone, sources, [], {})
+        return value if isinstance(value, Declined) else [({}, value)]
+    return values_at_every_size(node, cone, sources)
