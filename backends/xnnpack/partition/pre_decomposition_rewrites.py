@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from executorch.exir.program._program import _default_decomposition_table
 from torch.export import ExportedProgram
 
+from etfold.backends.xnnpack._passes.and_all_true_as_other_operand_pass import (
+    ands_all_true_as_other_operand,
+)
 from etfold.backends.xnnpack._passes.attention_scores_in_bmm_shape_pass import (
     attention_scores_in_bmm_shape,
 )
@@ -43,6 +46,9 @@ from etfold.backends.xnnpack._passes.expand_as_delegated_ops_pass import (
     BROADCASTING_OPS,
     COPY_TARGETS,
     expands_as_delegated_ops,
+)
+from etfold.backends.xnnpack._passes.index_by_aranges_as_view_pass import (
+    index_by_aranges_as_view,
 )
 from etfold.backends.xnnpack._passes.layer_norm_as_delegated_ops_pass import (
     DELEGATED_TARGETS,
@@ -160,6 +166,16 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         settings=("fold_weights",),
         reads_table=True,
         after=(_MARKS, ("inline_autocast_regions", "folds the weights autocast regions read")),
+    ),
+    PreDecompositionRewrite(
+        "index_by_aranges_as_view",
+        lambda program, _: index_by_aranges_as_view(program),
+        after=(_MARKS,),
+    ),
+    PreDecompositionRewrite(
+        "ands_all_true_as_other_operand",
+        lambda program, _: ands_all_true_as_other_operand(program),
+        after=(_MARKS,),
     ),
     PreDecompositionRewrite(
         "safe_softmaxes_as_softmax",

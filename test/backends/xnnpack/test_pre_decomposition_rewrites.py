@@ -32,6 +32,8 @@ DECLARED = [
     "widen_half_precision_ops",
     "read_last_axis_normalizations_contiguous",
     "fold_gemm_weights",
+    "index_by_aranges_as_view",
+    "ands_all_true_as_other_operand",
     "safe_softmaxes_as_softmax",
     "attention_scores_in_bmm_shape",
     "expands_as_delegated_ops",

@@ -1,0 +1,172 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""A boolean `&` whose one operand is True everywhere, as its other operand.
+
+Given:   z = a & b                    bool; a computed from constants and the program's
+                                      sizes, True at every size
+Result:  z -> b                       when b has z's shape
+         expand(z, S) -> expand(b, S) for each reader, else: every reader an expand
+                                      whose -1 sizes keep a dim b and z share
+
+True & b = b elementwise, so z is b broadcast to z's shape, and an expand of z to S
+is an expand of b to S: b broadcasts to z, so each of its dims is 1 or z's, which
+S then gives (a -1 keeps the input's own size, so there b's must be z's).
+
+Why: transformers' masks (`sdpa_mask`) `&` the padding mask with `q_idx >= 0` and a
+`new_ones`, both True, computed from `arange(s)`: a static export folds them into a
+constant, a dynamic one keeps `arange`, `add`, three unsqueezes and the `ge`, none of
+which XNNPACK runs. a is checked at every size the export's bounds allow (or once,
+when it reads no size), which is exact.
+
+Declines: a not known when lowering (it reads a user input's values, a written
+buffer), a False somewhere at some size, a reader of z other than an expand when b
+has not z's shape, an expand keeping (-1) a size b has not. Runs on the ATen program,
+before decomposition.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx import Node
+
+from etfold.backends.xnnpack._passes.mask_at_every_size import known_at_every_size
+from etfold.decisions import Declined, first_declined, record_applied
+from etfold.exir.passes.graph_walk import (
+    StateFacts,
+    drop_unread,
+    sizes_known_equal,
+    state_facts,
+)
+from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+
+FOLD = "xnnpack.and_all_true_as_other_operand"
+
+aten = torch.ops.aten
+ANDS = frozenset({aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default})
+
+
+@dataclass(frozen=True)
+class AllTrueOperand:
+    node: Node  # z = a & b
+    true_at: int  # a's position among z's arguments (read again when rewriting)
+
+
+def _value(node: object):
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def _is_bool_and(node: Node) -> bool:
+    if node.op != "call_function" or node.target not in ANDS:
+        return False
+    values = [_value(node), *map(_value, node.args[:2])]
+    return all(isinstance(v, torch.Tensor) and v.dtype == torch.bool for v in values)
+
+
+def _same_shape(a, b) -> bool:
+    return len(a) == len(b) and all(sizes_known_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def all_true(node: Node, program: ExportedProgram, facts: StateFacts) -> Declined | None:
+    found = known_at_every_size(program, node, facts)
+    if isinstance(found, Declined):
+        return found
+    for assignment, value in found:
+        if not bool(value.all()):
+            at = f" at {assignment}" if assignment else ""
+            return Declined(f"`{node.name}` holds a False{at}")
+    return None
+
+
+def _keeps_a_size_other_lacks(expand: Node, other: torch.Tensor, out: torch.Tensor) -> bool:
+    sizes = list(expand.args[1])
+    offset = len(sizes) - out.dim()
+    for j, size in enumerate(sizes):
+        if size != -1:
+            continue
+        at_out = j - offset
+        at_other = at_out - (out.dim() - other.dim())
+        theirs = other.shape[at_other] if at_other >= 0 else 1
+        if at_out < 0 or not sizes_known_equal(theirs, out.shape[at_out]):
+            return True
+    return False
+
+
+def readers_take_the_other(node: Node, other: Node) -> Declined | None:
+    out, value = _value(node), _value(other)
+    if _same_shape(value.shape, out.shape):
+        return None
+    for reader in node.users:
+        if reader.target is not aten.expand.default or reader.args[0] is not node:
+            return Declined(
+                f"`{reader.name}` reads it, not an expand, and `{other.name}` has not its shape"
+            )
+        if _keeps_a_size_other_lacks(reader, value, out):
+            return Declined(f"`{reader.name}` keeps (-1) a size `{other.name}` has not")
+    return None
+
+
+def judge_and(node: Node, program: ExportedProgram, facts: StateFacts) -> int | Declined | None:
+    """Which operand of `node`, a boolean `&`, is True everywhere and may go; else why
+    neither; None for any other node."""
+    if not _is_bool_and(node):
+        return None
+    reasons = []
+    for at in (0, 1):
+        operand, other = node.args[at], node.args[1 - at]
+        if not isinstance(operand, Node) or not isinstance(other, Node):
+            return None
+        declined = first_declined(
+            lambda: all_true(operand, program, facts),  # noqa: B023 (called at once)
+            lambda: readers_take_the_other(node, other),  # noqa: B023
+        )
+        if declined is None:
+            return at
+        reasons.append(declined.reason)
+    return Declined("; ".join(reasons))
+
+
+def match_and(node: Node, judged: dict[str, int | Declined]) -> AllTrueOperand | Declined | None:
+    """`node`'s match, from the verdicts `judge_and` gave the program by node name (the
+    driver matches again on its copy, whose nodes keep their names)."""
+    if not _is_bool_and(node):
+        return None
+    verdict = judged.get(node.name)
+    if verdict is None or isinstance(verdict, Declined):
+        return verdict
+    return AllTrueOperand(node, verdict)
+
+
+def rewrite_and(match: AllTrueOperand) -> None:
+    node = match.node
+    true, other = node.args[match.true_at], node.args[1 - match.true_at]
+    if _same_shape(_value(other).shape, _value(node).shape):
+        node.replace_all_uses_with(other)
+    else:
+        for reader in list(node.users):
+            reader.replace_input_with(node, other)
+    node.graph.erase_node(node)
+    drop_unread([true])
+    record_applied(FOLD, node.name, f"`{true.name}` is True everywhere: `{other.name}` is read")
+
+
+def ands_all_true_as_other_operand(program: ExportedProgram) -> ExportedProgram:
+    """`program`, or a rewritten copy where some `&` with True gives its other operand."""
+    facts = state_facts(program)
+    judged = {
+        node.name: verdict
+        for node in program.graph.nodes
+        if (verdict := judge_and(node, program, facts)) is not None
+    }
+    if not judged:
+        return program
+    return rewrite_matches_on_a_copy(
+        program, functools.partial(match_and, judged=judged), rewrite_and, FOLD
+    )

@@ -1,0 +1,164 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""A padding mask read through `mask[arange(b)[..], arange(s)[..]]` (transformers'
+`sdpa_mask`) is a view of the mask, static or dynamic, at every size."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from etfold.backends.xnnpack import XnnpackPartitioner
+from etfold.backends.xnnpack._passes.index_by_aranges_as_view_pass import (
+    FOLD,
+    index_by_aranges_as_view,
+    inserted_axes,
+)
+from etfold.decisions import collect_decisions
+from etfold.harness.dynamic_pairs import (
+    LengthAxis,
+    decisions_apart,
+    dynamic_errors,
+    lower_static_and_dynamic,
+)
+
+INDEX = "aten.index.Tensor"
+ARANGE = "aten.arange.start_step"
+
+
+class MaskedAttention(torch.nn.Module):
+    """Attention under a [1, t] int padding mask read as transformers' sdpa_mask reads
+    it: indexed by the batch and key positions, `&` the query positions' `>= 0`."""
+
+    def __init__(self, width: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.o = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x, keep):
+        b, t, d = x.shape
+        qkv = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        batch = torch.arange(b)[:, None, None, None]
+        queries = torch.arange(t)[None, None, :, None]
+        keys = torch.arange(t)[None, None, None, :]
+        mask = keep.bool()[batch, keys] & (queries >= 0)
+        y = F.scaled_dot_product_attention(*qkv, attn_mask=mask.expand(b, -1, t, t))
+        return self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
+def _inputs(length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(1, length, 16, generator=torch.Generator().manual_seed(length))
+    keep = torch.ones(1, length, dtype=torch.long)
+    keep[0, length - length // 3 :] = 0
+    return x, keep
+
+
+AXIS = LengthAxis(((1,), (1,)), 2, 16, 6)
+
+
+@functools.cache
+def _pair():
+    torch.manual_seed(0)
+    return lower_static_and_dynamic(
+        MaskedAttention(), _inputs, AXIS, lambda: [XnnpackPartitioner()]
+    )
+
+
+def test_the_mask_index_is_a_view_static_and_dynamic_alike():
+    pair = _pair()
+    for lowered in (pair.static, pair.dynamic):
+        (decision,) = [d for d in lowered.decisions if d.fold == FOLD]
+        assert decision.applied and decision.detail.startswith("reads `")
+        outside = lowered.program.ops_outside()
+        assert INDEX not in outside and ARANGE not in outside, outside
+    static_only, dynamic_only = decisions_apart(pair, lambda fold: fold == FOLD)
+    assert not static_only and not dynamic_only
+    assert pair.dynamic.program.delegates() == pair.static.program.delegates()
+    errors = dynamic_errors(pair)
+    assert {AXIS.low, AXIS.high} <= set(errors) and max(errors.values()) <= 1e-5, errors
+
+
+def test_the_graph_reads_the_mask_as_a_view():
+    length = torch.export.Dim("length", min=2, max=16)
+    program = torch.export.export(
+        MaskedAttention().eval(), _inputs(6), dynamic_shapes=({1: length}, {1: length})
+    )
+    rewritten = index_by_aranges_as_view(program)
+    ops = Counter(str(n.target) for n in rewritten.graph.nodes if n.op == "call_function")
+    assert ops[INDEX] == 0 and ops["aten.view.default"] >= 1
+    # the key positions' arange, its add and unsqueezes are gone; the queries' stays
+    assert (
+        ops["aten.arange.default"]
+        < Counter(str(n.target) for n in program.graph.nodes if n.op == "call_function")[
+            "aten.arange.default"
+        ]
+    )
+    assert Counter(str(n.target) for n in program.graph.nodes)[INDEX] == 1  # the user's, kept
+
+
+class Indexed(torch.nn.Module):
+    """`x[rows, cols]` for index tensors `pick` builds from the length (and `extra`)."""
+
+    def __init__(self, pick):
+        super().__init__()
+        self.pick = pick
+
+    def forward(self, x, extra):
+        return (self.pick(x, extra).float() * 2.0,)
+
+
+def _keys(t: int) -> torch.Tensor:
+    return torch.arange(t)[None, :]
+
+
+PICKS = {
+    "indexes 1 of the 2 dims": lambda x, e: x[:, torch.arange(x.shape[1])],
+    "not [1, s": lambda x, e: x[torch.zeros(1, 1, dtype=torch.long), _keys(x.shape[1]).T],
+    "not known contiguous": lambda x, e: x.expand(2, -1)[
+        torch.arange(2)[:, None], _keys(x.shape[1])
+    ],
+    "reads the values of user input": lambda x, e: x[torch.zeros(1, 1, dtype=torch.long), e],
+    "is not the coordinate of dim 1": lambda x, e: x[
+        torch.zeros(1, 1, dtype=torch.long), _keys(x.shape[1]).flip(1)
+    ],
+}
+
+
+@pytest.mark.parametrize("reason", PICKS)
+def test_declines_when(reason):
+    length = torch.export.Dim("length", min=2, max=16)
+    x, extra = torch.randn(1, 6), torch.arange(6)[None]
+    program = torch.export.export(
+        Indexed(PICKS[reason]).eval(), (x, extra), dynamic_shapes=({1: length}, {1: length})
+    )
+    code = program.graph_module.code
+    with collect_decisions() as decisions:
+        assert index_by_aranges_as_view(program) is program
+    assert program.graph_module.code == code
+    (declined,) = [d for d in decisions if d.fold == FOLD]
+    assert not declined.applied and reason in declined.detail, declined.detail
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@given(
+    source=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    ones=st.lists(st.integers(0, 3), max_size=3),
+)
+def test_inserted_axes_place_each_dim_where_a_view_puts_it(source, ones):
+    out = list(source)
+    for at in ones:
+        out.insert(min(at, len(out)), 1)
+    axes = inserted_axes(tuple(source), tuple(out))
+    assert axes is not None and list(axes) == sorted(axes)
+    assert [out[a] for a in axes] == source
+    assert all(size == 1 for axis, size in enumerate(out) if axis not in axes)
