@@ -4,27 +4,32 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""Run a unary elementwise op once over a tensor whose slices it reads several times.
+"""Run an elementwise op once over the tensors whose slices it reads several times.
 
-Given:   y_i = f(slice(x, d, s_i, e_i))        i = 1..k, k >= 2, one f with one set of arguments
-Result:  fx  = f(x)
-         y_i = slice(fx, d, s_i, e_i)
+Given:   y_i = f(slice(x, d, s_i, e_i))                          i = 1..k, k >= 2
+         z_i = g(slice(a, d, s_i, e_i), slice(b, d', s_i, e_i))  (d, d' the same dim from the end)
+Result:  fx = f(x);     y_i = slice(fx, d, s_i, e_i)
+         gab = g(a, b); z_i = slice(gab, D, s_i, e_i)             (D that dim of g(a, b))
 
-Each element of f(x) is f of the element of x at the same place, so a slice of
-f(x) holds exactly the values f gives that slice of x: the same values, shapes and
-dtype, bit for bit on XNNPACK, whose unary kernels compute every element alike.
+f (unary) and g (binary: add, sub, mul, div, maximum, minimum) are elementwise, with
+one set of other arguments per group. Each element of f(x) is f of the element of x
+at the same place, so a slice of f(x) holds exactly the values f gives that slice of
+x, bit for bit on XNNPACK, whose kernels compute every element alike. For g, a and b
+have the same size along the sliced dim, so broadcasting pairs the same elements
+whole as sliced.
 
-Why: a recurrent cell cuts its gate vector in pieces and activates each (an LSTM
-step reads three of four gates through sigmoid). On vectors that small XNNPACK's
-cost is per op, not per element, so one sigmoid over the whole vector and three
-slices of it beat three slices and three sigmoids: the whole LSTM in one delegate
-then runs faster than stock's delegate per step.
+Why: a recurrent cell cuts its gate vectors in pieces and activates each (an LSTM
+step reads three of four gates through sigmoid; a GRU step adds two pairs of gate
+slices, then applies sigmoid to each sum). On vectors that small XNNPACK's cost is
+per op, not per element, so one op over the whole vector and its slices beat an op
+per slice: the whole cell in one delegate then runs faster than stock's delegate per
+step. Binary groups are hoisted first, so the unary ops after them find slices.
 
-Bounded by the work it adds: f(x) computes at most half again the elements of the
-slices' union along `d`; otherwise declines. Also declines where that share is not
-known when lowering (`d` is a symbolic dim), for a quantized input, and for a
-dtype XNNPACK does not compile here. Slices along other dims, or read by another f,
-form groups of their own.
+Bounded by the work it adds: the op over the whole tensors computes at most half
+again the elements of the slices' union along the dim; otherwise declines. Also
+declines where that share is not known when lowering (the dim is symbolic), for a
+quantized input, and for a dtype XNNPACK does not compile here. Slices along other
+dims, or read by another op, form groups of their own.
 
 Runs on the ATen program, before decomposition, after splits are written as slices.
 """
@@ -45,7 +50,7 @@ from etfold.backends.xnnpack._passes.delegated_floats import (
     not_quantized,
 )
 from etfold.decisions import Declined, first_declined, record_applied
-from etfold.exir.passes.graph_walk import describe_axes
+from etfold.exir.passes.graph_walk import describe_axes, sizes_known_equal
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 
 FOLD = "xnnpack.elementwise_before_slices"
@@ -72,35 +77,67 @@ UNARY_ELEMENTWISE: Mapping[torch._ops.OpOverload, str] = {
     aten.sqrt.default: "sqrt.default",
     aten.tanh.default: "tanh.default",
 }
-MAX_GROWTH = Fraction(3, 2)  # elements of f(x) / elements of the slices' union
+# the binary elementwise ATen ops, each with its config
+BINARY_ELEMENTWISE: Mapping[torch._ops.OpOverload, str] = {
+    aten.add.Tensor: "add.Tensor",
+    aten.div.Tensor: "div.Tensor",
+    aten.maximum.default: "maximum.default",
+    aten.minimum.default: "minimum.default",
+    aten.mul.Tensor: "mul.Tensor",
+    aten.sub.Tensor: "sub.Tensor",
+}
+MAX_GROWTH = Fraction(3, 2)  # elements of the op over the whole / elements of the slices' union
+
+
+@dataclass(frozen=True)
+class Sliced:
+    """A stride-1 slice of `source` along the dim `axis` from the end (negative)."""
+
+    source: torch.fx.Node
+    axis: int
+    start: object
+    end: object
+
+    @property
+    def size(self) -> object:
+        return self.source.meta["val"].shape[self.axis]
+
+    def bounds(self) -> tuple[int, int]:
+        """(start, end) clamped to the static size along the axis."""
+        return _clamped(self.start, 0, self.size), _clamped(self.end, self.size, self.size)
 
 
 @dataclass(frozen=True)
 class Hoisted:
-    """One f read through k >= 2 slices of `source` along `dim`."""
+    """One op read through k >= 2 slices of its `sources`, each along `axis`."""
 
     op: torch._ops.OpOverload
-    args: tuple  # f's arguments after the tensor
-    kwargs: tuple  # f's keyword arguments, as sorted items
-    dim: int
-    readers: tuple[torch.fx.Node, ...]  # each f(slice(source, dim, ...))
+    sources: tuple[torch.fx.Node, ...]
+    args: tuple  # the op's arguments after its tensors
+    kwargs: tuple  # its keyword arguments, as sorted items
+    axis: int  # from the end (negative)
+    readers: tuple[torch.fx.Node, ...]  # each op(slice(source, ...), ...)
 
 
 @dataclass(frozen=True)
 class ElementwiseBeforeSlices:
-    source: torch.fx.Node
+    source: torch.fx.Node  # the first operand's source
     groups: tuple[Hoisted, ...]
 
 
-def _slice_args(node: torch.fx.Node) -> tuple[int, object, object] | None:
-    """(dim, start, end) of a stride-1 slice, `dim` normalized; else None."""
-    if node.op != "call_function" or node.target is not aten.slice.Tensor:
+def _sliced(node: object) -> Sliced | None:
+    """`node` as a stride-1 slice; else None."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    if node.target is not aten.slice.Tensor:
         return None
     source = node.args[0].meta.get("val")
     if not isinstance(source, torch.Tensor) or source.dim() == 0:
         return None
     dim, start, end, step = (*node.args[1:], *(0, None, None, 1)[len(node.args) - 1 :])[:4]
-    return (dim % source.dim(), start, end) if step == 1 else None
+    if step != 1:
+        return None
+    return Sliced(node.args[0], dim % source.dim() - source.dim(), start, end)
 
 
 def _clamped(index: object, default: int, size: int) -> int:
@@ -109,121 +146,155 @@ def _clamped(index: object, default: int, size: int) -> int:
     return min(max(index + size if index < 0 else index, 0), size)
 
 
-def _union_length(readers: tuple[torch.fx.Node, ...], size: int) -> int:
-    """How many positions along the dim the readers' slices cover, overlaps once."""
-    ranges = []
-    for reader in readers:
-        _, start, end = _slice_args(reader.args[0])
-        ranges.append((_clamped(start, 0, size), _clamped(end, size, size)))
+def _operands(reader: torch.fx.Node, arity: int) -> tuple[Sliced, ...] | None:
+    """The slices `reader`'s tensor operands are, when all are slices along one dim from
+    the end, of one size and with one (start, end); else None."""
+    pieces = [_sliced(arg) for arg in reader.args[:arity]]
+    if len(pieces) < arity or any(piece is None for piece in pieces):
+        return None
+    first = pieces[0]
+    for piece in pieces[1:]:
+        same_place = (piece.axis, piece.start, piece.end) == (first.axis, first.start, first.end)
+        if not same_place or not sizes_known_equal(piece.size, first.size):
+            return None
+    return tuple(pieces)
+
+
+def _union_length(pieces: list[Sliced]) -> int:
+    """How many positions along the dim the slices cover, overlaps once."""
     length, reached = 0, 0
-    for start, end in sorted(ranges):
+    for start, end in sorted(piece.bounds() for piece in pieces):
         start = max(start, reached)
         if end > start:
             length, reached = length + end - start, end
     return length
 
 
-def _reader_groups(source: torch.fx.Node, ops: Collection) -> dict[tuple, list[torch.fx.Node]]:
-    """f nodes reading a slice of `source`, keyed by (f, its other arguments, slice dim)."""
+def _reader_groups(source: torch.fx.Node, ops: Mapping) -> dict[tuple, list[torch.fx.Node]]:
+    """Ops whose first operand is a slice of `source`, keyed by (op, the sources, the
+    other arguments, the dim): each group one op over whole tensors."""
     groups: dict[tuple, list[torch.fx.Node]] = {}
     for piece in source.users:
-        sliced = _slice_args(piece)
-        if sliced is None or piece.args[0] is not source:
-            continue
         for reader in piece.users:
-            if reader.op == "call_function" and reader.target in ops and reader.args[0] is piece:
-                key = (reader.target, reader.args[1:], tuple(sorted(reader.kwargs.items())))
-                groups.setdefault((*key, sliced[0]), []).append(reader)
+            if reader.op != "call_function" or reader.args[0] is not piece:
+                continue
+            arity = ops.get(reader.target)
+            pieces = _operands(reader, arity) if arity else None
+            if pieces is None or pieces[0].source is not source:
+                continue
+            sources = tuple(p.source for p in pieces)
+            kwargs = tuple(sorted(reader.kwargs.items()))
+            key = (reader.target, sources, reader.args[arity:], kwargs, pieces[0].axis)
+            groups.setdefault(key, []).append(reader)
     return {key: readers for key, readers in groups.items() if len(readers) >= 2}
 
 
-def _growth_bounded(source: torch.fx.Node, dim: int, readers: tuple) -> Declined | None:
-    value = source.meta["val"]
-    size = value.shape[dim]
+def _growth_bounded(group: Hoisted) -> Declined | None:
+    pieces = [_sliced(reader.args[0]) for reader in group.readers]
+    size, value = pieces[0].size, group.sources[0].meta["val"]
     if type(size) is not int:
         return Declined(
-            f"dynamic shape: slices along {describe_axes(value, [dim])}; the share of it "
-            "the op would compute changes with the input"
+            f"dynamic shape: slices along {describe_axes(value, [value.dim() + group.axis])};"
+            " the share of it the op would compute changes with the input"
         )
-    union = _union_length(readers, size)
+    union = _union_length(pieces)
     if union == 0 or Fraction(size, union) > MAX_GROWTH:
         return Declined(
-            f"the slices hold {union} of {size} along dim {dim}: the op over the whole "
-            f"tensor would compute more than {float(MAX_GROWTH)}x their elements"
+            f"the slices hold {union} of {size} along dim {value.dim() + group.axis}: the op "
+            f"over the whole would compute more than {float(MAX_GROWTH)}x their elements"
         )
     return None
 
 
+def _sources_taken(sources: tuple, dtypes: Collection[torch.dtype]) -> Declined | None:
+    for source in dict.fromkeys(sources):
+        declined = first_declined(
+            lambda s=source: not_quantized(s, "the op over it would need its own quantization"),
+            lambda s=source: dtype_taken(s.meta["val"], dtypes, "elementwise op"),
+        )
+        if declined is not None:
+            return declined
+    return None
+
+
 def match_elementwise_before_slices(
-    node: torch.fx.Node, ops: Collection, dtypes: Collection[torch.dtype]
+    node: torch.fx.Node, ops: Mapping, dtypes: Collection[torch.dtype]
 ) -> ElementwiseBeforeSlices | Declined | None:
-    """The groups of `node`'s slice readers to hoist, a reason none is, or None when no
-    unary op reads two slices of `node`."""
-    value = node.meta.get("val")
-    groups = _reader_groups(node, ops) if isinstance(value, torch.Tensor) else {}
-    if not groups:
+    """The groups of ops reading slices of `node` (as their first operand) to hoist, a
+    reason none is, or None when no op of `ops` (op -> its tensor operands) reads two
+    slices of `node`."""
+    if not isinstance(node.meta.get("val"), torch.Tensor):
         return None
-    declined = first_declined(
-        lambda: not_quantized(node, "the op over it would need its own quantization"),
-        lambda: dtype_taken(value, dtypes, "elementwise op"),
-    )
-    if declined is not None:
-        return declined
     hoisted, reasons = [], []
-    for (op, args, kwargs, dim), readers in groups.items():
-        declined = _growth_bounded(node, dim, tuple(readers))
+    for (op, sources, args, kwargs, axis), readers in _reader_groups(node, ops).items():
+        group = Hoisted(op, sources, args, kwargs, axis, tuple(readers))
+        declined = first_declined(
+            lambda: _sources_taken(sources, dtypes), lambda: _growth_bounded(group)
+        )
         if declined is not None:
             reasons.append(declined)
         else:
-            hoisted.append(Hoisted(op, args, kwargs, dim, tuple(readers)))
-    if not hoisted:
-        return reasons[0]
-    return ElementwiseBeforeSlices(node, tuple(hoisted))
+            hoisted.append(group)
+    if hoisted:
+        return ElementwiseBeforeSlices(node, tuple(hoisted))
+    return reasons[0] if reasons else None
 
 
-def _hoist(source: torch.fx.Node, group: Hoisted) -> None:
-    graph, kwargs = source.graph, dict(group.kwargs)
+def _hoist(group: Hoisted) -> None:
+    graph, kwargs = group.readers[0].graph, dict(group.kwargs)
     first = next(node for node in graph.nodes if node in group.readers)
+    values = [source.meta["val"] for source in group.sources]
     with graph.inserting_before(first):
-        whole = graph.call_function(group.op, (source, *group.args), kwargs)
-    whole.meta = {**first.meta, "val": group.op(source.meta["val"], *group.args, **kwargs)}
+        whole = graph.call_function(group.op, (*group.sources, *group.args), kwargs)
+    whole.meta = {**first.meta, "val": group.op(*values, *group.args, **kwargs)}
+    dim = whole.meta["val"].dim() + group.axis
     for reader in group.readers:
-        piece = reader.args[0]
+        pieces = dict.fromkeys(reader.args[: len(group.sources)])
+        start, end = _sliced(reader.args[0]).bounds()
         with graph.inserting_before(reader):
-            part = graph.call_function(aten.slice.Tensor, (whole, *piece.args[1:]), piece.kwargs)
-        part.meta = {**piece.meta, "val": reader.meta["val"]}
+            part = graph.call_function(aten.slice.Tensor, (whole, dim, start, end))
+        part.meta = {**reader.args[0].meta, "val": reader.meta["val"]}
         reader.replace_all_uses_with(part)
         graph.erase_node(reader)
-        if not piece.users:
-            graph.erase_node(piece)
+        for piece in pieces:
+            if not piece.users:
+                graph.erase_node(piece)
 
 
 def rewrite_elementwise_before_slices(match: ElementwiseBeforeSlices) -> None:
-    """Each group's f runs once over the source; its readers become slices of that."""
+    """Each group's op runs once over its whole sources; its readers become slices."""
     for group in match.groups:
-        _hoist(match.source, group)
+        _hoist(group)
+        names = ", ".join(f"`{source.name}`" for source in group.sources)
+        dim = group.sources[0].meta["val"].dim() + group.axis
         record_applied(
             FOLD,
             match.source.name,
-            f"{group.op.__name__} over `{match.source.name}` once, read as "
-            f"{len(group.readers)} slices along dim {group.dim}",
+            f"{group.op.__name__} over {names} once, read as {len(group.readers)} slices "
+            f"along dim {dim}",
         )
 
 
-def delegated_unary_ops(configs: Collection[str]) -> frozenset:
-    """The unary elementwise ops whose partitioner config is among `configs`."""
-    return frozenset(op for op, target in UNARY_ELEMENTWISE.items() if target in configs)
+def delegated_elementwise_ops(configs: Collection[str]) -> dict:
+    """The elementwise ops whose partitioner config is among `configs`, each with the
+    number of tensor operands it reads."""
+    unary = {op: 1 for op, target in UNARY_ELEMENTWISE.items() if target in configs}
+    binary = {op: 2 for op, target in BINARY_ELEMENTWISE.items() if target in configs}
+    return {**binary, **unary}
 
 
 def elementwise_ops_before_slices(
-    program: ExportedProgram, ops: Collection, *, bf16: bool
+    program: ExportedProgram, ops: Mapping, *, bf16: bool
 ) -> ExportedProgram:
-    """`program`, or a rewritten copy where some unary op runs once over a tensor
-    instead of over several of its slices.
+    """`program`, or a rewritten copy where some elementwise op runs once over whole
+    tensors instead of over several of their slices.
 
-    `ops`: the unary ops the lowering delegates; `bf16`: whether XNNPACK compiles them
-    in bf16 here."""
-    match = functools.partial(
-        match_elementwise_before_slices, ops=frozenset(ops), dtypes=delegated_floats(bf16)
-    )
-    return rewrite_matches_on_a_copy(program, match, rewrite_elementwise_before_slices, FOLD)
+    `ops`: the elementwise ops the lowering delegates, each with its tensor operands
+    (`delegated_elementwise_ops`); `bf16`: whether XNNPACK compiles them in bf16 here.
+    Binary ops first: a unary op reading their results then reads slices."""
+    dtypes = delegated_floats(bf16)
+    for arity in (2, 1):
+        kind = {op: n for op, n in ops.items() if n == arity}
+        match = functools.partial(match_elementwise_before_slices, ops=kind, dtypes=dtypes)
+        program = rewrite_matches_on_a_copy(program, match, rewrite_elementwise_before_slices, FOLD)
+    return program

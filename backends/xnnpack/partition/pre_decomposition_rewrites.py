@@ -39,8 +39,11 @@ from etfold.backends.xnnpack._passes.contiguous_last_axis_inputs_pass import (
     read_last_axis_normalizations_contiguous,
 )
 from etfold.backends.xnnpack._passes.elementwise_before_slices_pass import (
-    delegated_unary_ops,
+    delegated_elementwise_ops,
     elementwise_ops_before_slices,
+)
+from etfold.backends.xnnpack._passes.embedding_of_one_index_as_row_pass import (
+    embeddings_of_one_index_as_rows,
 )
 from etfold.backends.xnnpack._passes.expand_as_delegated_ops_pass import (
     BROADCASTING_OPS,
@@ -121,7 +124,7 @@ def _expands(program: ExportedProgram, inputs: RewriteInputs) -> ExportedProgram
 
 
 def _elementwise_before_slices(program: ExportedProgram, inputs: RewriteInputs) -> ExportedProgram:
-    ops = delegated_unary_ops(_configs(inputs).keys())
+    ops = delegated_elementwise_ops(_configs(inputs).keys())
     return elementwise_ops_before_slices(program, ops, bf16=inputs.bf16)
 
 
@@ -161,6 +164,12 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         lambda program, _: read_last_axis_normalizations_contiguous(program),
     ),
     PreDecompositionRewrite(
+        "embeddings_of_one_index_as_rows",
+        lambda program, _: embeddings_of_one_index_as_rows(program),
+        # before the weight fold, which copies a buffer it reads into one unjudged
+        after=(_MARKS,),
+    ),
+    PreDecompositionRewrite(
         "fold_gemm_weights",
         _fold_weights,
         settings=("fold_weights",),
@@ -170,12 +179,18 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
     PreDecompositionRewrite(
         "index_by_aranges_as_view",
         lambda program, _: index_by_aranges_as_view(program),
-        after=(_MARKS,),
+        after=(
+            (
+                "fold_gemm_weights",
+                "measured: run before it, a static padded attention kept SDPA's "
+                "expands outside (3 delegates, not 2)",
+            ),
+        ),
     ),
     PreDecompositionRewrite(
         "ands_all_true_as_other_operand",
         lambda program, _: ands_all_true_as_other_operand(program),
-        after=(_MARKS,),
+        after=(("fold_gemm_weights", "as for index_by_aranges_as_view"),),
     ),
     PreDecompositionRewrite(
         "safe_softmaxes_as_softmax",

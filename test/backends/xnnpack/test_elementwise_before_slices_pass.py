@@ -22,8 +22,10 @@ from hypothesis import strategies as st
 
 from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.backends.xnnpack._passes.elementwise_before_slices_pass import (
+    BINARY_ELEMENTWISE,
     FOLD,
     UNARY_ELEMENTWISE,
+    delegated_elementwise_ops,
     elementwise_ops_before_slices,
 )
 from etfold.decisions import collect_decisions
@@ -32,7 +34,9 @@ from etfold.harness.dynamic_shapes import lower_dynamic
 from etfold.harness.xnnpack_runner import lower_module_xnnpack
 
 aten = torch.ops.aten
-ALL_UNARY = frozenset(UNARY_ELEMENTWISE)
+ALL_ELEMENTWISE = delegated_elementwise_ops(
+    [*UNARY_ELEMENTWISE.values(), *BINARY_ELEMENTWISE.values()]
+)
 
 
 class Gates(torch.nn.Module):
@@ -54,7 +58,7 @@ def _ops(program) -> Counter:
     return Counter(n.target for n in program.graph.nodes if n.op == "call_function")
 
 
-def _rewritten(module, inputs, dynamic_shapes=None, ops=ALL_UNARY):
+def _rewritten(module, inputs, dynamic_shapes=None, ops=ALL_ELEMENTWISE):
     program = torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes)
     with collect_decisions() as decisions:
         rewritten = elementwise_ops_before_slices(program, ops, bf16=False)
@@ -79,22 +83,22 @@ def test_three_sigmoids_of_slices_become_one_sigmoid_read_as_three_slices():
 
 
 class LastStep(torch.nn.Module):
-    """An LSTM read at its last step, as upstream's LSTM op test reads it."""
+    """A recurrent net read at its last step, as upstream's LSTM op test reads it."""
 
-    def __init__(self):
+    def __init__(self, cell: type[torch.nn.Module]):
         super().__init__()
-        self.lstm = torch.nn.LSTM(8, 8, batch_first=True)
+        self.cell = cell(8, 8, batch_first=True)
         self.head = torch.nn.Linear(8, 4)
 
     def forward(self, x):
-        out, _ = self.lstm(x)
+        out, _ = self.cell(x)
         return self.head(out[:, -1, :])
 
 
 @functools.cache
-def _lstm_lowerings():
+def _recurrent_lowerings(cell: type[torch.nn.Module]):
     torch.manual_seed(0)
-    module = LastStep().eval()
+    module = LastStep(cell).eval()
     x = torch.randn(1, 6, 8)
     lowered = {}
     for name, partitioner, lower in (
@@ -107,15 +111,25 @@ def _lstm_lowerings():
     return lowered, expected, x
 
 
-def test_an_lstm_runs_its_gates_in_one_delegate_bit_for_bit_as_stock():
-    lowered, expected, x = _lstm_lowerings()
+@pytest.mark.parametrize(
+    ("cell", "hoisted"),
+    [
+        # each step: one sigmoid over its gate vector (the first step's gates included)
+        (torch.nn.LSTM, ["sigmoid.default"] * 6),
+        # each step after the first: one add of the gate pairs, one sigmoid of the sums
+        # (the first step's hidden gates fold to a constant per gate: no slices to add)
+        (torch.nn.GRU, ["add.Tensor"] * 5 + ["sigmoid.default"] * 5),
+    ],
+    ids=["lstm", "gru"],
+)
+def test_a_recurrent_net_runs_its_gates_in_one_delegate_bit_for_bit_as_stock(cell, hoisted):
+    lowered, expected, x = _recurrent_lowerings(cell)
     program, decisions = lowered["etfold"]
     stock, _ = lowered["stock"]
     assert program.delegates() == 1 and not program.ops_outside()
     assert stock.delegates() > 1
-    # one sigmoid per step, over its whole gate vector (the first step's gates included)
-    assert len(decisions) == 6 and all(d.applied for d in decisions)
-    assert all(d.detail.endswith("read as 3 slices along dim 2") for d in decisions[1:])
+    assert all(d.applied for d in decisions)
+    assert sorted(d.detail.split(" ")[0] for d in decisions) == sorted(hoisted)
     actual, reference = program.run(x), stock.run(x)
     assert all(torch.equal(a, r) for a, r in zip(actual, reference, strict=True))
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
@@ -131,8 +145,8 @@ def test_slices_holding_too_little_of_the_tensor_stay_and_say_why():
     assert [(d.applied, d.detail) for d in decisions] == [
         (
             False,
-            "the slices hold 4 of 16 along dim 1: the op over the whole tensor would "
-            "compute more than 1.5x their elements",
+            "the slices hold 4 of 16 along dim 1: the op over the whole would compute "
+            "more than 1.5x their elements",
         )
     ]
 
@@ -192,7 +206,46 @@ def test_ops_with_other_arguments_or_not_delegated_are_not_grouped():
             return low + high + torch.sigmoid(x[:, :4]) + torch.sigmoid(x[:, 4:])
 
     inputs = (torch.randn(2, 8),)
-    program, rewritten, decisions = _rewritten(Slopes(), inputs, ops={aten.leaky_relu.default})
+    program, rewritten, decisions = _rewritten(Slopes(), inputs, ops={aten.leaky_relu.default: 1})
+    assert rewritten is program and decisions == []
+
+
+class GruGates(torch.nn.Module):
+    """A GRU step's gates: two pairs of slices added, each sum through sigmoid."""
+
+    def forward(self, a, b):
+        r = torch.sigmoid(a[..., :8] + b[..., :8])
+        z = torch.sigmoid(a[..., 8:16] + b[..., 8:16])
+        n = torch.tanh(b[..., 16:] + r * a[..., 16:])
+        return (1 - z) * n + z * 0.5
+
+
+def test_added_pairs_of_slices_become_one_add_and_their_sigmoids_one_sigmoid():
+    inputs = (torch.randn(2, 1, 24), torch.randn(2, 24))  # b broadcasts against a
+    program, rewritten, decisions = _rewritten(GruGates(), inputs)
+    before, after = _ops(program), _ops(rewritten)
+    assert (before[aten.add.Tensor], after[aten.add.Tensor]) == (4, 3)
+    assert (before[aten.sigmoid.default], after[aten.sigmoid.default]) == (2, 1)
+    (sigmoid,) = rewritten.graph.find_nodes(op="call_function", target=aten.sigmoid.default)
+    assert sigmoid.args[0].target is aten.add.Tensor
+    assert [n.name for n in sigmoid.args[0].args] == ["a", "b"]
+    assert [(d.applied, d.detail) for d in decisions] == [
+        (True, "add.Tensor over `a`, `b` once, read as 2 slices along dim 2"),
+        (True, "sigmoid.default over `add_tensor` once, read as 2 slices along dim 2"),
+    ]
+    torch.testing.assert_close(rewritten.module()(*inputs), program.module()(*inputs))
+
+
+def test_pairs_of_slices_of_other_sizes_or_places_are_not_grouped():
+    class Unaligned(torch.nn.Module):
+        def forward(self, a, b, c):
+            # b's slices lie at other places than a's; c is shorter along the sliced dim
+            return (a[:, :4] + b[:, 4:8]) * (a[:, 4:8] + b[:, :4]) + (
+                (a[:, :4] - c[:, :4]) * (a[:, 4:8] - c[:, 4:8])
+            )
+
+    inputs = (torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 10))
+    program, rewritten, decisions = _rewritten(Unaligned(), inputs)
     assert rewritten is program and decisions == []
 
 
@@ -234,25 +287,34 @@ class Pieces(torch.nn.Module):
         super().__init__()
         self.op, self.bounds = op, bounds
 
-    def forward(self, x):
-        parts = [self.op(x[:, start:end]) for start, end in self.bounds]
+    def forward(self, x, y):
+        operands = (
+            (lambda s, e: (x[:, s:e],))
+            if self.op in UNARY
+            else (lambda s, e: (x[:, s:e], y[:, s:e]))
+        )
+        parts = [self.op(*operands(start, end)) for start, end in self.bounds]
         return torch.cat(parts, dim=1) * 1.0
 
 
-@settings(max_examples=4, deadline=None)
+UNARY = (torch.sigmoid, torch.tanh, torch.relu, torch.exp, torch.abs)
+
+
+@settings(max_examples=5, deadline=None)
 @given(
-    op=st.sampled_from([torch.sigmoid, torch.tanh, torch.relu, torch.exp, torch.abs]),
+    op=st.sampled_from([*UNARY, torch.add, torch.mul, torch.maximum]),
     cuts=st.lists(st.integers(1, 11), min_size=3, max_size=5, unique=True),
 )
 def test_generated_pieces_equal_the_stock_lowering_bit_for_bit(op, cuts):
     """Pieces of [0, 12) along dim 1 (neighbours and overlaps); stock runs each op on its
-    slice in XNNPACK, etfold once over the tensor: the same values, bit for bit."""
+    slices in XNNPACK, etfold once over the tensors: the same values, bit for bit."""
     cuts = sorted(cuts)
     bounds = [(0, cuts[1]), *zip(cuts[:-1], cuts[1:], strict=True), (cuts[0], 12)]
-    x = torch.randn(3, 12, generator=torch.Generator().manual_seed(len(cuts)))
+    generator = torch.Generator().manual_seed(len(cuts))
+    inputs = (torch.randn(3, 12, generator=generator), torch.randn(3, 12, generator=generator))
     module = Pieces(op, bounds).eval()
     with collect_decisions() as decisions:
-        program, _ = lower_module_xnnpack(module, (x,), [XnnpackPartitioner()])
-    stock, _ = lower_module_xnnpack(module, (x,), [UpstreamXnnpackPartitioner()])
+        program, _ = lower_module_xnnpack(module, inputs, [XnnpackPartitioner()])
+    stock, _ = lower_module_xnnpack(module, inputs, [UpstreamXnnpackPartitioner()])
     assert [d.applied for d in decisions if d.fold == FOLD] == [True]
-    assert torch.equal(program.run(x)[0], stock.run(x)[0])
+    assert torch.equal(program.run(*inputs)[0], stock.run(*inputs)[0])
