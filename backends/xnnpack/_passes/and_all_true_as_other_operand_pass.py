@@ -78,10 +78,10 @@ def all_true(node: Node, program: ExportedProgram, facts: StateFacts) -> Decline
     found = known_at_every_size(program, node, facts)
     if isinstance(found, Declined):
         return found
-    for assignment, value in found:
+    for _, value in found:
         if not bool(value.all()):
-            at = f" at {assignment}" if assignment else ""
-            return Declined(f"`{node.name}` holds a False{at}")
+            # no size named: a static program deciding alike gives the same reason
+            return Declined(f"`{node.name}` holds a False")
     return None
 
 

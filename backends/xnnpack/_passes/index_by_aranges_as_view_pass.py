@@ -140,9 +140,9 @@ def each_index_its_coordinate(
         for assignment, value in found:
             length = _size_at(shape[d], assignment)
             if length is None or not _coordinate(value, length, axes[d], rank):
-                at = f" at {assignment}" if assignment else ""
+                # no size named: a static program deciding alike gives the same reason
                 return Declined(
-                    f"`{index.name}`{at} is not the coordinate of dim {d} of `{source.name}`"
+                    f"`{index.name}` is not the coordinate of dim {d} of `{source.name}`"
                 )
     return None
 

@@ -31,6 +31,7 @@ DECLARED = [
     "inline_autocast_regions",
     "widen_half_precision_ops",
     "read_last_axis_normalizations_contiguous",
+    "embeddings_of_one_index_as_rows",
     "fold_gemm_weights",
     "index_by_aranges_as_view",
     "ands_all_true_as_other_operand",
