@@ -22,7 +22,8 @@ constant, a dynamic one keeps `arange`, `add`, three unsqueezes and the `ge`, no
 which XNNPACK runs. a is checked at every size the export's bounds allow (or once,
 when it reads no size), which is exact.
 
-Declines: a not known when lowering (it reads a user input's values, a written
+Left alone: an `&` of two known values (constant propagation folds it, or the `&`
+reading it drops it whole). Declines: a not known when lowering (it reads a user input's values, a written
 buffer), a False somewhere at some size, a reader of z other than an expand when b
 has not z's shape, an expand keeping (-1) a size b has not. Runs on the ATen program,
 before decomposition.
@@ -37,7 +38,10 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from etfold.backends.xnnpack._passes.mask_at_every_size import known_at_every_size
+from etfold.backends.xnnpack._passes.mask_at_every_size import (
+    known_at_every_size,
+    reads_user_values,
+)
 from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.graph_walk import (
     StateFacts,
@@ -118,6 +122,8 @@ def judge_and(node: Node, program: ExportedProgram, facts: StateFacts) -> int | 
     neither; None for any other node."""
     if not _is_bool_and(node):
         return None
+    if not any(isinstance(a, Node) and reads_user_values(a, program) for a in node.args[:2]):
+        return None  # a known value: constant propagation's, or a reader's to judge
     reasons = []
     for at in (0, 1):
         operand, other = node.args[at], node.args[1 - at]

@@ -35,20 +35,17 @@ from dataclasses import dataclass
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from etfold.backends.xnnpack._passes.mask_at_every_size import (
     known_at_every_size,
-    reads_sizes_only,
+    reads_user_values,
 )
 from etfold.decisions import Declined, first_declined, record_declined
 from etfold.exir.passes.graph_walk import (
     StateFacts,
     add_lifted_constant,
-    ancestors,
     drop_unread,
-    input_kinds,
     sizes_known_equal,
     state_facts,
 )
@@ -104,16 +101,6 @@ def readers_broadcast_a_row(node: Node) -> Declined | None:
     return None
 
 
-def _reads_user_values(node: Node, program: ExportedProgram) -> bool:
-    cone, kinds = ancestors(node), input_kinds(program)
-    return any(
-        n.op == "placeholder"
-        and kinds.get(n.name) == InputKind.USER_INPUT
-        and (n is node or not reads_sizes_only(n, cone))
-        for n in cone
-    )
-
-
 def _one_value(node: Node, program: ExportedProgram, facts: StateFacts) -> int | Declined:
     found = known_at_every_size(program, node, facts)
     if isinstance(found, Declined):
@@ -138,7 +125,7 @@ def judge_embedding(
     if node.op != "call_function" or node.target is not aten.embedding.default:
         return None
     weight, indices = node.args[0], node.args[1]
-    if _reads_user_values(indices, program):
+    if reads_user_values(indices, program):
         return None  # a lookup of the user's tokens: nothing to decline
     declined = first_declined(lambda: readers_broadcast_a_row(node))
     if declined is not None:

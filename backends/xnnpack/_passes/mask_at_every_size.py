@@ -145,6 +145,17 @@ def _value_at(
     return values[node]
 
 
+def reads_user_values(node: Node, program: ExportedProgram) -> bool:
+    """`node` is, or computes from, the values of a user input (not its sizes alone)."""
+    cone, kinds = ancestors(node), input_kinds(program)
+    return any(
+        n.op == "placeholder"
+        and kinds.get(n.name) == InputKind.USER_INPUT
+        and (n is node or not reads_sizes_only(n, cone))
+        for n in cone
+    )
+
+
 def known_at_every_size(
     program: ExportedProgram, node: Node, facts: StateFacts
 ) -> list[tuple[dict, torch.Tensor]] | Declined:
