@@ -31,6 +31,9 @@ from torch.export import ExportedProgram
 from etfold.backends.xnnpack._passes.and_all_true_as_other_operand_pass import (
     ands_all_true_as_other_operand,
 )
+from etfold.backends.xnnpack._passes.attention_mask_unexpanded_pass import (
+    attention_masks_unexpanded,
+)
 from etfold.backends.xnnpack._passes.attention_scores_in_bmm_shape_pass import (
     attention_scores_in_bmm_shape,
 )
@@ -170,27 +173,32 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         after=(_MARKS,),
     ),
     PreDecompositionRewrite(
+        "index_by_aranges_as_view",
+        lambda program, _: index_by_aranges_as_view(program),
+        after=(_MARKS,),
+    ),
+    PreDecompositionRewrite(
+        "ands_all_true_as_other_operand",
+        lambda program, _: ands_all_true_as_other_operand(program),
+        after=(_MARKS,),
+    ),
+    PreDecompositionRewrite(
+        "attention_masks_unexpanded",
+        lambda program, _: attention_masks_unexpanded(program),
+        # before the weight fold, whose decomposition writes SDPA out
+        after=(
+            (
+                "ands_all_true_as_other_operand",
+                "the & with True is dropped through the expand this drops",
+            ),
+        ),
+    ),
+    PreDecompositionRewrite(
         "fold_gemm_weights",
         _fold_weights,
         settings=("fold_weights",),
         reads_table=True,
         after=(_MARKS, ("inline_autocast_regions", "folds the weights autocast regions read")),
-    ),
-    PreDecompositionRewrite(
-        "index_by_aranges_as_view",
-        lambda program, _: index_by_aranges_as_view(program),
-        after=(
-            (
-                "fold_gemm_weights",
-                "measured: run before it, a static padded attention kept SDPA's "
-                "expands outside (3 delegates, not 2)",
-            ),
-        ),
-    ),
-    PreDecompositionRewrite(
-        "ands_all_true_as_other_operand",
-        lambda program, _: ands_all_true_as_other_operand(program),
-        after=(("fold_gemm_weights", "as for index_by_aranges_as_view"),),
     ),
     PreDecompositionRewrite(
         "safe_softmaxes_as_softmax",
