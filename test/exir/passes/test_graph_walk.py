@@ -1,0 +1,55 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""`drop_unread`: the pure ops nothing reads, and what they read in turn, go; an op
+still read, a placeholder, or an impure op stays; export's metadata checks of a
+dropped value go with it."""
+
+from __future__ import annotations
+
+import torch
+
+from etfold.exir.passes.graph_walk import drop_unread
+
+
+def _graph():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    kept = graph.call_function(torch.ops.aten.neg.default, (x,))
+    shared = graph.call_function(torch.ops.aten.abs.default, (x,))
+    unread = graph.call_function(torch.ops.aten.add.Tensor, (shared, kept))
+    checked = graph.call_function(torch.ops.aten.exp.default, (shared,))
+    graph.call_function(
+        torch.ops.aten._assert_tensor_metadata.default, (checked,), {"dtype": torch.float32}
+    )
+    graph.output((kept,))
+    return graph, {"x": x, "kept": kept}, unread, checked
+
+
+def _ops(graph) -> list[str]:
+    return [str(node.target) for node in graph.nodes if node.op == "call_function"]
+
+
+def test_what_nothing_reads_goes_with_what_it_alone_reads():
+    graph, nodes, unread, checked = _graph()
+    drop_unread([unread])
+    # the add goes; abs is still read by exp; neg by the output
+    assert _ops(graph) == [
+        "aten.neg.default",
+        "aten.abs.default",
+        "aten.exp.default",
+        "aten._assert_tensor_metadata.default",
+    ]
+    drop_unread([checked])
+    # exp was read by its metadata check alone: both go, then abs, which only exp read
+    assert _ops(graph) == ["aten.neg.default"]
+    assert "x" in nodes and nodes["x"].op == "placeholder"
+
+
+def test_an_op_still_read_or_a_placeholder_stays():
+    graph, nodes, _, _ = _graph()
+    drop_unread([nodes["kept"], nodes["x"]])
+    assert len(_ops(graph)) == 5
