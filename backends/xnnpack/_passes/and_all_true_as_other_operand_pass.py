@@ -24,7 +24,7 @@ when it reads no size), which is exact.
 
 Left alone: an `&` of two known values (constant propagation folds it, or the `&`
 reading it drops it whole). Declines: a not known when lowering (it reads a user input's values, a written
-buffer), a False somewhere at some size, a reader of z other than an expand when b
+buffer), a False somewhere at some size, the program returning z, a reader of z other than an expand when b
 has not z's shape, an expand keeping (-1) a size b has not. Runs on the ATen program,
 before decomposition.
 """
@@ -105,6 +105,8 @@ def _keeps_a_size_other_lacks(expand: Node, other: torch.Tensor, out: torch.Tens
 
 def readers_take_the_other(node: Node, other: Node) -> Declined | None:
     out, value = _value(node), _value(other)
+    if any(reader.op == "output" for reader in node.users):
+        return Declined("the program returns it: its output would become another value")
     if _same_shape(value.shape, out.shape):
         return None
     for reader in node.users:

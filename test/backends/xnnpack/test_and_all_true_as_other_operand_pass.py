@@ -83,16 +83,18 @@ def test_the_positions_go_static_and_dynamic_alike():
 
 
 class Anded(torch.nn.Module):
-    """`keep[:, None, :] & positions(t)`, read by `read`; a buffer `flag` of True."""
+    """`keep[:, None, :] & positions(t)`, read by `read` (and returned when `returns`);
+    a buffer `flag` of True."""
 
-    def __init__(self, positions, read):
+    def __init__(self, positions, read, returns: bool = False):
         super().__init__()
-        self.positions, self.read = positions, read
+        self.positions, self.read, self.returns = positions, read, returns
         self.register_buffer("flag", torch.ones(1, 1, 1, dtype=torch.bool))
 
     def forward(self, x, keep):
         mask = keep.bool()[:, None, :] & self.positions(self, x.shape[1])
-        return (torch.where(self.read(mask, x), x, 0.0),)
+        out = torch.where(self.read(mask, x), x, 0.0)
+        return (out, mask) if self.returns else (out,)
 
 
 def _at_or_after(first: int):
@@ -114,6 +116,7 @@ CASES = {
     "reads it, not an expand": (_at_or_after(0), lambda mask, x: mask),
     "keeps (-1) a size": (_at_or_after(0), lambda mask, x: mask.expand(2, -1, x.shape[1])),
     "is written in this method": (_written_flag, _expanded),
+    "the program returns it": (_at_or_after(0), _expanded, True),
 }
 
 
