@@ -23,10 +23,10 @@ which XNNPACK runs. a is checked at every size the export's bounds allow (or onc
 when it reads no size), which is exact.
 
 Left alone: an `&` of two known values (constant propagation folds it, or the `&`
-reading it drops it whole). Declines: a not known when lowering (it reads a user input's values, a written
-buffer), a False somewhere at some size, the program returning z, a reader of z other than an expand when b
-has not z's shape, an expand keeping (-1) a size b has not. Runs on the ATen program,
-before decomposition.
+reading it drops it whole). Declines: a not known when lowering (it reads a user
+input's values, a written buffer), a False somewhere at some size, the program
+returning z, a reader of z other than an expand when b has not z's shape, an expand
+keeping (-1) a size b has not. Runs on the ATen program, before decomposition.
 """
 
 from __future__ import annotations
