@@ -125,6 +125,10 @@ class ElementwiseBeforeSlices:
     groups: tuple[Hoisted, ...]
 
 
+_SLICE_DEFAULTS = (("dim", 0), ("start", None), ("end", None), ("step", 1))
+_SLICE_ARGUMENTS = tuple(name for name, _ in _SLICE_DEFAULTS)
+
+
 def _sliced(node: object) -> Sliced | None:
     """`node` as a stride-1 slice; else None."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
@@ -134,7 +138,8 @@ def _sliced(node: object) -> Sliced | None:
     source = node.args[0].meta.get("val")
     if not isinstance(source, torch.Tensor) or source.dim() == 0:
         return None
-    dim, start, end, step = (*node.args[1:], *(0, None, None, 1)[len(node.args) - 1 :])[:4]
+    given = dict(zip(_SLICE_ARGUMENTS, node.args[1:], strict=False)) | node.kwargs
+    dim, start, end, step = (given.get(name, default) for name, default in _SLICE_DEFAULTS)
     if step != 1:
         return None
     return Sliced(node.args[0], dim % source.dim() - source.dim(), start, end)
@@ -217,6 +222,12 @@ def _sources_taken(sources: tuple, dtypes: Collection[torch.dtype]) -> Declined 
     return None
 
 
+def _group_declined(group: Hoisted, dtypes: Collection[torch.dtype]) -> Declined | None:
+    return first_declined(
+        lambda: _sources_taken(group.sources, dtypes), lambda: _growth_bounded(group)
+    )
+
+
 def match_elementwise_before_slices(
     node: torch.fx.Node, ops: Mapping, dtypes: Collection[torch.dtype]
 ) -> ElementwiseBeforeSlices | Declined | None:
@@ -228,9 +239,7 @@ def match_elementwise_before_slices(
     hoisted, reasons = [], []
     for (op, sources, args, kwargs, axis), readers in _reader_groups(node, ops).items():
         group = Hoisted(op, sources, args, kwargs, axis, tuple(readers))
-        declined = first_declined(
-            lambda: _sources_taken(sources, dtypes), lambda: _growth_bounded(group)
-        )
+        declined = _group_declined(group, dtypes)
         if declined is not None:
             reasons.append(declined)
         else:

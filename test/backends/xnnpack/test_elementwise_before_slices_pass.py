@@ -135,6 +135,28 @@ def test_a_recurrent_net_runs_its_gates_in_one_delegate_bit_for_bit_as_stock(cel
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_slices_given_by_keyword_are_read_at_their_place():
+    """A graph whose slices name their arguments (export writes them by position)."""
+
+    class Halves(torch.nn.Module):
+        def forward(self, x):
+            return torch.tanh(x[:, :4]) * torch.tanh(x[:, 4:8])
+
+    inputs = (torch.randn(3, 8),)
+    program = torch.export.export(Halves(), inputs)
+    expected = program.module()(*inputs)
+    for piece in program.graph.find_nodes(op="call_function", target=aten.slice.Tensor):
+        source, dim, start, end = piece.args
+        piece.args, piece.kwargs = (source,), {"end": end, "dim": dim, "start": start}
+    program.graph_module.recompile()
+    with collect_decisions() as decisions:
+        rewritten = elementwise_ops_before_slices(program, ALL_ELEMENTWISE, bf16=False)
+    assert [d.detail for d in decisions if d.fold == FOLD] == [
+        "tanh.default over `x` once, read as 2 slices along dim 1"
+    ]
+    assert torch.equal(rewritten.module()(*inputs), expected)
+
+
 def test_slices_holding_too_little_of_the_tensor_stay_and_say_why():
     class Corners(torch.nn.Module):
         def forward(self, x):
