@@ -139,7 +139,7 @@ def judge_embedding(
     if not 0 <= index < table.shape[0]:
         return Declined(f"`{indices.name}` holds {index}, not a row of `{weight.name}`")
     shape = (1,) * (_value(node).dim() - 1) + (table.shape[1],)
-    return Row(weight.name, index, table[index].reshape(shape).clone())
+    return Row(weight.name, index, table[index].detach().reshape(shape).clone())
 
 
 def match_embedding(node: Node, judged: dict[str, Row | Declined]) -> EmbeddingAsRow | None:
