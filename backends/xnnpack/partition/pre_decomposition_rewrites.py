@@ -48,6 +48,9 @@ from etfold.backends.xnnpack._passes.elementwise_before_slices_pass import (
 from etfold.backends.xnnpack._passes.embedding_of_one_index_as_row_pass import (
     embeddings_of_one_index_as_rows,
 )
+from etfold.backends.xnnpack._passes.embedding_of_positions_as_table_slice_pass import (
+    embeddings_of_positions_as_table_slices,
+)
 from etfold.backends.xnnpack._passes.expand_as_delegated_ops_pass import (
     BROADCASTING_OPS,
     COPY_TARGETS,
@@ -169,6 +172,12 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
     PreDecompositionRewrite(
         "embeddings_of_one_index_as_rows",
         lambda program, _: embeddings_of_one_index_as_rows(program),
+        # before the weight fold, which copies a buffer it reads into one unjudged
+        after=(_MARKS,),
+    ),
+    PreDecompositionRewrite(
+        "embeddings_of_positions_as_table_slices",
+        lambda program, _: embeddings_of_positions_as_table_slices(program),
         # before the weight fold, which copies a buffer it reads into one unjudged
         after=(_MARKS,),
     ),

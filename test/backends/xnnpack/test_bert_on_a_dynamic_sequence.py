@@ -6,7 +6,7 @@
 
 """transformers' BertModel under a padding mask, exported with a dynamic sequence, gets
 the delegates its static export gets; what stays outside besides is the position
-table read up to the sequence length, with its reasons."""
+table's rows read up to the sequence length, with its reason."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ OURS = {
     "xnnpack.embedding_of_one_index_as_row",
     "xnnpack.attention_scores_in_bmm_shape",
     "xnnpack.attention_mask_unexpanded",
+    "xnnpack.embedding_of_positions_as_table_slice",
 }
 
 
@@ -77,9 +78,15 @@ def test_the_dynamic_export_gets_the_static_delegates():
     pair = _pair()
     assert pair.dynamic.program.delegates() == pair.static.program.delegates()
     static_only, dynamic_only = decisions_apart(pair, OURS.__contains__)
-    # the static views are XNNPACK's: only the dynamic scores need the bmm shape
+    # the static views are XNNPACK's, the static positions a folded constant: only the
+    # dynamic scores need the bmm shape, and the dynamic positions the table's slice
     assert not static_only
-    assert dynamic_only == Counter({("xnnpack.attention_scores_in_bmm_shape", True, ""): 2})
+    assert dynamic_only == Counter(
+        {
+            ("xnnpack.attention_scores_in_bmm_shape", True, ""): 2,
+            ("xnnpack.embedding_of_positions_as_table_slice", True, ""): 1,
+        }
+    )
     errors = dynamic_errors(pair)
     assert {AXIS.low, AXIS.high} <= set(errors) and max(errors.values()) <= 1e-5, errors
 
@@ -89,13 +96,11 @@ def test_what_only_the_dynamic_export_leaves_outside_has_its_reason():
     extra = pair.dynamic.program.ops_outside() - pair.static.program.ops_outside()
     assert extra == Counter(
         {
-            "aten.slice_copy.Tensor": 1,  # the position table up to the length
+            "aten.slice_copy.Tensor": 1,  # the position table's rows up to the length
             "aten.sym_size.int": 1,  # the length it reads
-            "aten.embedding.default": 1,  # the positions' lookup
         }
     ), extra
     reasons = Counter(d.fold for d in pair.dynamic.decisions if not d.applied)
     details = [d.detail for d in pair.dynamic.decisions if not d.applied]
     assert reasons["xnnpack.dynamic_slice"] == 1
-    assert any(d.startswith("dynamic shape: slices dim 1") for d in details)
-    assert any(d.endswith("holds more than one value") for d in details)
+    assert any(d.startswith("dynamic shape: slices dim 0") for d in details)

@@ -32,6 +32,7 @@ DECLARED = [
     "widen_half_precision_ops",
     "read_last_axis_normalizations_contiguous",
     "embeddings_of_one_index_as_rows",
+    "embeddings_of_positions_as_table_slices",
     "index_by_aranges_as_view",
     "ands_all_true_as_other_operand",
     "attention_masks_unexpanded",

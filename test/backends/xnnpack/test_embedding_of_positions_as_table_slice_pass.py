@@ -1,0 +1,121 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""BERT's position lookup, `position_ids[:, :s]` of a buffer 0..max-1, is the table's
+first s rows on a dynamic sequence: one slice outside, no lookup."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+
+from etfold.backends.xnnpack import XnnpackPartitioner
+from etfold.backends.xnnpack._passes.embedding_of_positions_as_table_slice_pass import (
+    FOLD,
+    embeddings_of_positions_as_table_slices,
+)
+from etfold.decisions import collect_decisions
+from etfold.exir.program.lower import mark_for_lowering
+from etfold.harness.dynamic_pairs import (
+    LengthAxis,
+    decisions_apart,
+    dynamic_errors,
+    lower_static_and_dynamic,
+)
+
+EMBEDDING = "aten.embedding.default"
+
+
+def _read(module, s):
+    return module.position_ids[:, :s]
+
+
+def _written(module, s):
+    module.position_ids.add_(0)
+    return module.position_ids[:, :s]
+
+
+class Positions(torch.nn.Module):
+    """Word and position embeddings, added and projected; `positions` reads the ids."""
+
+    def __init__(self, rows: int = 32, first: int = 0, positions=_read, width: int = 16):
+        super().__init__()
+        self.positions = positions
+        self.words = torch.nn.Embedding(50, width)
+        self.table = torch.nn.Embedding(rows, width)
+        self.register_buffer("position_ids", torch.arange(first, first + 32)[None], False)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, ids):
+        return self.out(self.words(ids) + self.table(self.positions(self, ids.shape[1])))
+
+
+def _ids(length: int) -> tuple[torch.Tensor]:
+    return (torch.randint(0, 50, (1, length), generator=torch.Generator().manual_seed(length)),)
+
+
+AXIS = LengthAxis(((1,),), 2, 32, 6)
+
+
+@functools.cache
+def _pair():
+    torch.manual_seed(0)
+    return lower_static_and_dynamic(Positions(), _ids, AXIS, lambda: [XnnpackPartitioner()])
+
+
+def test_the_dynamic_positions_are_the_tables_rows():
+    pair = _pair()
+    static_only, dynamic_only = decisions_apart(pair, lambda fold: fold == FOLD)
+    # static positions: constant propagation folds the lookup, nothing to decide
+    assert not static_only and dynamic_only == Counter({(FOLD, True, ""): 1})
+    outside = pair.dynamic.program.ops_outside()
+    assert outside[EMBEDDING] == 1, outside  # the words' lookup alone
+    assert outside["aten.slice_copy.Tensor"] == 1  # the table's rows, to the length
+    errors = dynamic_errors(pair)
+    assert {AXIS.low, AXIS.high} <= set(errors) and max(errors.values()) <= 1e-5, errors
+
+
+def _export(module: torch.nn.Module, marked: bool = True) -> torch.export.ExportedProgram:
+    length = torch.export.Dim("length", min=2, max=32)
+    program = torch.export.export(module.eval(), _ids(6), dynamic_shapes=({1: length},))
+    if marked:
+        mark_for_lowering({"forward": program})  # as etfold's entry point marks its copy
+    return program
+
+
+def test_the_graph_slices_the_table():
+    program = _export(Positions())
+    with collect_decisions() as decisions:
+        rewritten = embeddings_of_positions_as_table_slices(program)
+    ops = Counter(str(n.target) for n in rewritten.graph.nodes if n.op == "call_function")
+    assert ops[EMBEDDING] == 1 and ops["aten.slice.Tensor"] == 1, ops
+    (applied,) = [d for d in decisions if d.fold == FOLD]
+    assert applied.applied and applied.detail.startswith("the first "), applied
+    for length in (2, 17, 32):
+        (ids,) = _ids(length)
+        assert torch.equal(rewritten.module()(ids), program.module()(ids))
+
+
+CASES = {
+    "is not 0, 1, .., n - 1": dict(first=1),
+    "has fewer rows than": dict(rows=16),
+    "is written in this method": dict(positions=_written),
+    "was not judged across methods": dict(),
+}
+
+
+@pytest.mark.parametrize("reason", CASES)
+def test_declines_when(reason):
+    program = _export(Positions(**CASES[reason]), marked=reason != "was not judged across methods")
+    code = program.graph_module.code
+    with collect_decisions() as decisions:
+        assert embeddings_of_positions_as_table_slices(program) is program
+    assert program.graph_module.code == code
+    declined = [d for d in decisions if d.fold == FOLD]
+    assert [d.applied for d in declined] == [False] and reason in declined[0].detail, declined
