@@ -18,13 +18,11 @@ from __future__ import annotations
 import contextvars
 import sys
 
-import torch
 from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
     XnnpackPartitioner as UpstreamXnnpackPartitioner,
 )
 from executorch.exir.backend.partitioner import PartitionResult
-from executorch.exir.dialects._ops import ops as exir_ops
 from executorch.exir.program._program import _default_decomposition_table
 from torch.export import ExportedProgram
 
@@ -45,6 +43,10 @@ from etfold.backends.xnnpack.partition.config.dynamic_slice_config import (
     with_dynamic_slice_config,
 )
 from etfold.backends.xnnpack.partition.constant_layout_conflicts import find_layout_conflicts
+from etfold.backends.xnnpack.partition.dropped_copies import (
+    clones_beside_their_source,
+    clones_of_returned_values,
+)
 from etfold.backends.xnnpack.partition.marked_partitions import tags_holding, with_spec_on
 from etfold.backends.xnnpack.partition.pre_decomposition_rewrites import run_rewrites
 from etfold.backends.xnnpack.partition.shape_op_partitions import settle_shape_op_views
@@ -57,7 +59,6 @@ from etfold.exir.program.upstream_lowering import upstream_lowering_in_progress
 from etfold.exir.program.working_copy import copy_for_rewrite
 
 LAYOUT_FOLD = "xnnpack.constant_layout"
-REPEATED_OUTPUT_FOLD = "xnnpack.repeated_output"
 # readers kept out of partitions while one generate_partitions call re-draws them
 _KEPT_OUT: contextvars.ContextVar[frozenset | set] = contextvars.ContextVar(
     "etfold_xnnpack_kept_out", default=frozenset()
@@ -188,46 +189,22 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         return [kept for group in groups if (kept := [n for n in group if n not in kept_out])]
 
     def generate_partitions(self, ep: ExportedProgram):
-        """Upstream's partitions, re-drawn until no constant needs two forms in one delegate."""
+        """Upstream's partitions, re-drawn until no constant needs two forms in one delegate
+        and no delegate would return a value beside its dropped copy."""
         kept_out: set = set(clones_of_returned_values(ep))
         token = _KEPT_OUT.set(kept_out)
         try:
             while True:
                 partitions = super().generate_partitions(ep)
                 conflicts = find_layout_conflicts(ep, (p.nodes for p in partitions))
-                if not conflicts:
-                    return partitions
                 for conflict in conflicts:
                     record_declined(LAYOUT_FOLD, conflict.constant.name, conflict.reason)
                     kept_out.update(conflict.kept_out)
+                doubled = (
+                    [] if conflicts else clones_beside_their_source(p.nodes for p in partitions)
+                )
+                if not conflicts and not doubled:
+                    return partitions
+                kept_out.update(doubled)
         finally:
             _KEPT_OUT.reset(token)
-
-
-_CLONES = frozenset(
-    {
-        exir_ops.edge.aten.clone.default,
-        exir_ops.edge.dim_order_ops._clone_dim_order.default,
-    }
-)
-
-
-def clones_of_returned_values(ep: ExportedProgram) -> list:
-    """Clones of a value the program also returns (a buffer's update returned as a user
-    output too). XNNPACK drops a clone inside a delegate, which would then return one
-    value twice and fail to lower; they stay outside, recorded."""
-    (outputs,) = [n for n in ep.graph.nodes if n.op == "output"]
-    returned = {v for v in outputs.args[0] if isinstance(v, torch.fx.Node)}
-    clones = [
-        n
-        for n in ep.graph.nodes
-        if n.op == "call_function" and n.target in _CLONES and n.args[0] in returned
-    ]
-    for clone in clones:
-        record_declined(
-            REPEATED_OUTPUT_FOLD,
-            clone.name,
-            f"copies `{clone.args[0].name}`, which the program also returns; inside a delegate"
-            " the copy would be dropped and the delegate return one value twice",
-        )
-    return clones
