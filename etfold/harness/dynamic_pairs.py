@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.decisions import FoldDecision, collect_decisions
 from etfold.exir import to_edge_transform_and_lower
 from etfold.harness.modules import in_eval_mode
@@ -92,6 +93,17 @@ def lower_static_and_dynamic(
     return StaticDynamicPair(module, make_inputs, length, static, dynamic)
 
 
+def lower_xnnpack_pair(
+    build: Callable[[], torch.nn.Module],
+    make_inputs: Callable[[int], tuple],
+    length: LengthAxis,
+) -> StaticDynamicPair:
+    """`build()`'s module, its weights drawn after `torch.manual_seed(0)`, lowered as a
+    pair with etfold's XnnpackPartitioner: the tests' pairs are reproducible."""
+    torch.manual_seed(0)
+    return lower_static_and_dynamic(build(), make_inputs, length, lambda: [XnnpackPartitioner()])
+
+
 def _compared(decisions: Iterable[FoldDecision], folds: Callable[[str], bool]) -> Counter:
     """(fold, applied, the reason when declined) of `folds`' decisions; those declined
     for the dynamic shape itself left out."""
@@ -121,3 +133,11 @@ def dynamic_errors(pair: StaticDynamicPair) -> dict[int, float]:
         expected = eager_outputs(pair.module, inputs)
         errors[length] = max_abs_error(pair.dynamic.program.run(*inputs), expected)
     return errors
+
+
+def assert_dynamic_matches_eager(pair: StaticDynamicPair, atol: float = 1e-5) -> None:
+    """The dynamic program matches eager within `atol` at each checked length, its
+    bounds among them."""
+    errors = dynamic_errors(pair)
+    bounds = {pair.length.low, pair.length.high}
+    assert bounds <= set(errors) and max(errors.values()) <= atol, errors

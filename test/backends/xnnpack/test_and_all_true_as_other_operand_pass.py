@@ -14,56 +14,33 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.backends.xnnpack._passes.and_all_true_as_other_operand_pass import (
     FOLD,
     ands_all_true_as_other_operand,
 )
 from etfold.decisions import collect_decisions
 from etfold.harness.dynamic_pairs import (
-    LengthAxis,
+    assert_dynamic_matches_eager,
     decisions_apart,
-    dynamic_errors,
-    lower_static_and_dynamic,
+    lower_xnnpack_pair,
 )
+from etfold.harness.sequence_models import PADDED_LENGTH, PaddedAttention, padded_inputs
 
 AND = "aten.__and__.Tensor"
 
 
-class PaddedAttention(torch.nn.Module):
-    """Attention under a [1, t] int padding mask `&` every query position's `>= 0`."""
-
-    def __init__(self, width: int = 16, heads: int = 2):
-        super().__init__()
-        self.heads = heads
-        self.qkv, self.o = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
-
-    def forward(self, x, keep):
-        b, t, d = x.shape
-        qkv = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        queries = torch.arange(t)[None, None, :, None]
-        mask = keep.bool()[:, None, None, :] & (queries >= 0)
-        y = F.scaled_dot_product_attention(*qkv, attn_mask=mask.expand(b, -1, t, t))
-        return self.o(y.transpose(1, 2).reshape(b, t, d))
-
-
-def _inputs(length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(1, length, 16, generator=torch.Generator().manual_seed(length))
-    keep = torch.ones(1, length, dtype=torch.long)
-    keep[0, length - length // 3 :] = 0
-    return x, keep
-
-
-AXIS = LengthAxis(((1,), (1,)), 2, 16, 6)
+def _anded_with_the_queries(keep, b, t):
+    """The [1, t] padding mask `&` every query position's `>= 0`, expanded."""
+    queries = torch.arange(t)[None, None, :, None]
+    mask = keep.bool()[:, None, None, :] & (queries >= 0)
+    return mask.expand(b, -1, t, t)
 
 
 @functools.cache
 def _pair():
-    torch.manual_seed(0)
-    return lower_static_and_dynamic(
-        PaddedAttention(), _inputs, AXIS, lambda: [XnnpackPartitioner()]
+    return lower_xnnpack_pair(
+        lambda: PaddedAttention(_anded_with_the_queries), padded_inputs, PADDED_LENGTH
     )
 
 
@@ -78,8 +55,7 @@ def test_the_positions_go_static_and_dynamic_alike():
         ), outside
     static_only, dynamic_only = decisions_apart(pair, lambda fold: fold == FOLD)
     assert not static_only and not dynamic_only
-    errors = dynamic_errors(pair)
-    assert {AXIS.low, AXIS.high} <= set(errors) and max(errors.values()) <= 1e-5, errors
+    assert_dynamic_matches_eager(pair)
 
 
 class Anded(torch.nn.Module):

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.backends.xnnpack._passes.attention_mask_unexpanded_pass import (
     FOLD,
     attention_masks_unexpanded,
@@ -26,17 +25,17 @@ from etfold.backends.xnnpack._passes.attention_mask_unexpanded_pass import (
 )
 from etfold.decisions import collect_decisions
 from etfold.harness.dynamic_pairs import (
-    LengthAxis,
+    assert_dynamic_matches_eager,
     decisions_apart,
-    dynamic_errors,
-    lower_static_and_dynamic,
+    lower_xnnpack_pair,
 )
+from etfold.harness.sequence_models import PADDED_LENGTH, WIDTH, padded_inputs
 
 
 class ExpandedMaskAttention(torch.nn.Module):
     """Two attention layers reading one [1, t] padding mask, expanded to [1, 1, t, t]."""
 
-    def __init__(self, width: int = 16, heads: int = 2):
+    def __init__(self, width: int = WIDTH, heads: int = 2):
         super().__init__()
         self.heads = heads
         self.layers = torch.nn.ModuleList(torch.nn.Linear(width, 3 * width) for _ in range(2))
@@ -51,22 +50,9 @@ class ExpandedMaskAttention(torch.nn.Module):
         return x
 
 
-def _inputs(length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(1, length, 16, generator=torch.Generator().manual_seed(length))
-    keep = torch.ones(1, length, dtype=torch.long)
-    keep[0, length - length // 3 :] = 0
-    return x, keep
-
-
-AXIS = LengthAxis(((1,), (1,)), 2, 16, 6)
-
-
 @functools.cache
 def _pair():
-    torch.manual_seed(0)
-    return lower_static_and_dynamic(
-        ExpandedMaskAttention(), _inputs, AXIS, lambda: [XnnpackPartitioner()]
-    )
+    return lower_xnnpack_pair(ExpandedMaskAttention, padded_inputs, PADDED_LENGTH)
 
 
 def test_each_attention_reads_the_mask_unexpanded_static_and_dynamic_alike():
@@ -80,14 +66,14 @@ def test_each_attention_reads_the_mask_unexpanded_static_and_dynamic_alike():
     outside = pair.dynamic.program.ops_outside()
     assert not {"aten.expand_copy.default", "aten.squeeze_copy.dims"} & set(outside), outside
     assert pair.dynamic.program.delegates() <= pair.static.program.delegates()
-    errors = dynamic_errors(pair)
-    assert {AXIS.low, AXIS.high} <= set(errors) and max(errors.values()) <= 1e-5, errors
+    assert_dynamic_matches_eager(pair)
 
 
 def test_the_graph_drops_the_expand():
-    length = torch.export.Dim("length", min=2, max=16)
     program = torch.export.export(
-        ExpandedMaskAttention().eval(), _inputs(6), dynamic_shapes=({1: length}, {1: length})
+        ExpandedMaskAttention().eval(),
+        padded_inputs(6),
+        dynamic_shapes=PADDED_LENGTH.dynamic_shapes(),
     )
     with collect_decisions() as decisions:
         rewritten = attention_masks_unexpanded(program)
@@ -95,7 +81,7 @@ def test_the_graph_drops_the_expand():
     assert ops["aten.expand.default"] == 0 and ops["aten.scaled_dot_product_attention.default"] == 2
     assert [d.applied for d in decisions if d.fold == FOLD] == [True, True]
     assert "aten.expand.default" in str(program.graph)  # the user's program keeps it
-    inputs = _inputs(11)
+    inputs = padded_inputs(11)
     assert torch.equal(rewritten.module()(*inputs), program.module()(*inputs))
 
 

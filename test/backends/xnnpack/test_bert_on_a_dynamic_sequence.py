@@ -16,13 +16,13 @@ from collections import Counter
 import pytest
 import torch
 
-from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.harness.dynamic_pairs import (
     LengthAxis,
+    assert_dynamic_matches_eager,
     decisions_apart,
-    dynamic_errors,
-    lower_static_and_dynamic,
+    lower_xnnpack_pair,
 )
+from etfold.harness.sequence_models import token_ids
 
 OURS = {
     "xnnpack.index_by_aranges_as_view",
@@ -60,7 +60,7 @@ def _bert() -> torch.nn.Module:
 
 
 def _inputs(length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, 50, (1, length), generator=torch.Generator().manual_seed(length))
+    (ids,) = token_ids(length)
     mask = torch.ones(1, length, dtype=torch.long)
     mask[0, length - length // 4 :] = 0
     return ids, mask
@@ -71,7 +71,7 @@ AXIS = LengthAxis(((1,), (1,)), 8, 32, 16)
 
 @functools.cache
 def _pair():
-    return lower_static_and_dynamic(_bert(), _inputs, AXIS, lambda: [XnnpackPartitioner()])
+    return lower_xnnpack_pair(_bert, _inputs, AXIS)
 
 
 def test_the_dynamic_export_gets_the_static_delegates():
@@ -87,8 +87,7 @@ def test_the_dynamic_export_gets_the_static_delegates():
             ("xnnpack.embedding_of_positions_as_table_slice", True, ""): 1,
         }
     )
-    errors = dynamic_errors(pair)
-    assert {AXIS.low, AXIS.high} <= set(errors) and max(errors.values()) <= 1e-5, errors
+    assert_dynamic_matches_eager(pair)
 
 
 def test_what_only_the_dynamic_export_leaves_outside_has_its_reason():

@@ -16,7 +16,6 @@ from collections import Counter
 import pytest
 import torch
 
-from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.backends.xnnpack._passes.embedding_of_one_index_as_row_pass import (
     FOLD,
     embeddings_of_one_index_as_rows,
@@ -25,10 +24,11 @@ from etfold.decisions import collect_decisions
 from etfold.exir.program.lower import mark_for_lowering
 from etfold.harness.dynamic_pairs import (
     LengthAxis,
+    assert_dynamic_matches_eager,
     decisions_apart,
-    dynamic_errors,
-    lower_static_and_dynamic,
+    lower_xnnpack_pair,
 )
+from etfold.harness.sequence_models import token_ids
 
 EMBEDDING = "aten.embedding.default"
 
@@ -80,17 +80,12 @@ class Embeddings(torch.nn.Module):
         return self.out(self.norm(x))
 
 
-def _ids(length: int) -> tuple[torch.Tensor]:
-    return (torch.randint(0, 50, (1, length), generator=torch.Generator().manual_seed(length)),)
-
-
 AXIS = LengthAxis(((1,),), 2, 32, 6)
 
 
 @functools.cache
 def _pair():
-    torch.manual_seed(0)
-    return lower_static_and_dynamic(Embeddings(), _ids, AXIS, lambda: [XnnpackPartitioner()])
+    return lower_xnnpack_pair(Embeddings, token_ids, AXIS)
 
 
 def test_the_token_types_are_one_row_static_and_dynamic_alike():
@@ -107,13 +102,11 @@ def test_the_token_types_are_one_row_static_and_dynamic_alike():
     outside = pair.dynamic.program.ops_outside()
     assert "aten.gather.default" not in outside and outside[EMBEDDING] == 1, outside
     assert pair.dynamic.program.delegates() == pair.static.program.delegates() == 1
-    errors = dynamic_errors(pair)
-    assert {AXIS.low, AXIS.high} <= set(errors) and max(errors.values()) <= 1e-5, errors
+    assert_dynamic_matches_eager(pair)
 
 
 def _export(module: torch.nn.Module) -> torch.export.ExportedProgram:
-    length = torch.export.Dim("length", min=2, max=32)
-    return torch.export.export(module.eval(), _ids(6), dynamic_shapes=({1: length},))
+    return torch.export.export(module.eval(), token_ids(6), dynamic_shapes=AXIS.dynamic_shapes())
 
 
 def test_the_graph_adds_a_row_constant():
@@ -131,7 +124,7 @@ def test_the_graph_adds_a_row_constant():
         ("embedding_2", False),  # the positions' buffer: judged only by etfold's entry point
     ]
     for length in (2, 17, 32):
-        (ids,) = _ids(length)
+        (ids,) = token_ids(length)
         assert torch.equal(rewritten.module()(ids), program.module()(ids))
 
 

@@ -15,7 +15,6 @@ from collections import Counter
 import pytest
 import torch
 
-from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.backends.xnnpack._passes.embedding_of_positions_as_table_slice_pass import (
     FOLD,
     embeddings_of_positions_as_table_slices,
@@ -24,10 +23,11 @@ from etfold.decisions import collect_decisions
 from etfold.exir.program.lower import mark_for_lowering
 from etfold.harness.dynamic_pairs import (
     LengthAxis,
+    assert_dynamic_matches_eager,
     decisions_apart,
-    dynamic_errors,
-    lower_static_and_dynamic,
+    lower_xnnpack_pair,
 )
+from etfold.harness.sequence_models import token_ids
 
 EMBEDDING = "aten.embedding.default"
 
@@ -56,17 +56,12 @@ class Positions(torch.nn.Module):
         return self.out(self.words(ids) + self.table(self.positions(self, ids.shape[1])))
 
 
-def _ids(length: int) -> tuple[torch.Tensor]:
-    return (torch.randint(0, 50, (1, length), generator=torch.Generator().manual_seed(length)),)
-
-
 AXIS = LengthAxis(((1,),), 2, 32, 6)
 
 
 @functools.cache
 def _pair():
-    torch.manual_seed(0)
-    return lower_static_and_dynamic(Positions(), _ids, AXIS, lambda: [XnnpackPartitioner()])
+    return lower_xnnpack_pair(Positions, token_ids, AXIS)
 
 
 def test_the_dynamic_positions_are_the_tables_rows():
@@ -77,13 +72,11 @@ def test_the_dynamic_positions_are_the_tables_rows():
     outside = pair.dynamic.program.ops_outside()
     assert outside[EMBEDDING] == 1, outside  # the words' lookup alone
     assert outside["aten.slice_copy.Tensor"] == 1  # the table's rows, to the length
-    errors = dynamic_errors(pair)
-    assert {AXIS.low, AXIS.high} <= set(errors) and max(errors.values()) <= 1e-5, errors
+    assert_dynamic_matches_eager(pair)
 
 
 def _export(module: torch.nn.Module, marked: bool = True) -> torch.export.ExportedProgram:
-    length = torch.export.Dim("length", min=2, max=32)
-    program = torch.export.export(module.eval(), _ids(6), dynamic_shapes=({1: length},))
+    program = torch.export.export(module.eval(), token_ids(6), dynamic_shapes=AXIS.dynamic_shapes())
     if marked:
         mark_for_lowering({"forward": program})  # as etfold's entry point marks its copy
     return program
@@ -98,7 +91,7 @@ def test_the_graph_slices_the_table():
     (applied,) = [d for d in decisions if d.fold == FOLD]
     assert applied.applied and applied.detail.startswith("the first "), applied
     for length in (2, 17, 32):
-        (ids,) = _ids(length)
+        (ids,) = token_ids(length)
         assert torch.equal(rewritten.module()(ids), program.module()(ids))
 
 

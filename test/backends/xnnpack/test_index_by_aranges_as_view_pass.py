@@ -14,11 +14,9 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.backends.xnnpack._passes.index_by_aranges_as_view_pass import (
     FOLD,
     index_by_aranges_as_view,
@@ -26,52 +24,33 @@ from etfold.backends.xnnpack._passes.index_by_aranges_as_view_pass import (
 )
 from etfold.decisions import collect_decisions
 from etfold.harness.dynamic_pairs import (
-    LengthAxis,
+    assert_dynamic_matches_eager,
     decisions_apart,
-    dynamic_errors,
-    lower_static_and_dynamic,
+    lower_xnnpack_pair,
 )
+from etfold.harness.sequence_models import PADDED_LENGTH, PaddedAttention, padded_inputs
 
 INDEX = "aten.index.Tensor"
 ARANGE = "aten.arange.start_step"
 
 
-class MaskedAttention(torch.nn.Module):
-    """Attention under a [1, t] int padding mask read as transformers' sdpa_mask reads
-    it: indexed by the batch and key positions, `&` the query positions' `>= 0`."""
-
-    def __init__(self, width: int = 16, heads: int = 2):
-        super().__init__()
-        self.heads = heads
-        self.qkv, self.o = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
-
-    def forward(self, x, keep):
-        b, t, d = x.shape
-        qkv = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        batch = torch.arange(b)[:, None, None, None]
-        queries = torch.arange(t)[None, None, :, None]
-        keys = torch.arange(t)[None, None, None, :]
-        mask = keep.bool()[batch, keys] & (queries >= 0)
-        y = F.scaled_dot_product_attention(*qkv, attn_mask=mask.expand(b, -1, t, t))
-        return self.o(y.transpose(1, 2).reshape(b, t, d))
+def _indexed_as_sdpa_mask(keep, b, t):
+    """The [1, t] padding mask read as transformers' sdpa_mask reads it: indexed by the
+    batch and key positions, `&` the query positions' `>= 0`, expanded."""
+    batch = torch.arange(b)[:, None, None, None]
+    queries = torch.arange(t)[None, None, :, None]
+    keys = torch.arange(t)[None, None, None, :]
+    mask = keep.bool()[batch, keys] & (queries >= 0)
+    return mask.expand(b, -1, t, t)
 
 
-def _inputs(length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(1, length, 16, generator=torch.Generator().manual_seed(length))
-    keep = torch.ones(1, length, dtype=torch.long)
-    keep[0, length - length // 3 :] = 0
-    return x, keep
-
-
-AXIS = LengthAxis(((1,), (1,)), 2, 16, 6)
+def _masked_attention() -> PaddedAttention:
+    return PaddedAttention(_indexed_as_sdpa_mask)
 
 
 @functools.cache
 def _pair():
-    torch.manual_seed(0)
-    return lower_static_and_dynamic(
-        MaskedAttention(), _inputs, AXIS, lambda: [XnnpackPartitioner()]
-    )
+    return lower_xnnpack_pair(_masked_attention, padded_inputs, PADDED_LENGTH)
 
 
 def test_the_mask_index_is_a_view_static_and_dynamic_alike():
@@ -85,14 +64,12 @@ def test_the_mask_index_is_a_view_static_and_dynamic_alike():
     assert not static_only and not dynamic_only
     # (static SDPA under a user mask keeps its expands outside: measured, not these passes')
     assert pair.dynamic.program.delegates() <= pair.static.program.delegates()
-    errors = dynamic_errors(pair)
-    assert {AXIS.low, AXIS.high} <= set(errors) and max(errors.values()) <= 1e-5, errors
+    assert_dynamic_matches_eager(pair)
 
 
 def test_the_graph_reads_the_mask_as_a_view():
-    length = torch.export.Dim("length", min=2, max=16)
     program = torch.export.export(
-        MaskedAttention().eval(), _inputs(6), dynamic_shapes=({1: length}, {1: length})
+        _masked_attention().eval(), padded_inputs(6), dynamic_shapes=PADDED_LENGTH.dynamic_shapes()
     )
     rewritten = index_by_aranges_as_view(program)
     ops = Counter(str(n.target) for n in rewritten.graph.nodes if n.op == "call_function")
