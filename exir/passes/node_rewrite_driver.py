@@ -15,6 +15,11 @@ The program handed in may be the user's (upstream passes the user's program to
 `transform_for_pre_decomposition`), so it is never rewritten: when a match is
 found, the matches are taken again on a copy and that copy is rewritten and
 returned. Declines are recorded once, from the first scan.
+
+A pass whose verdicts read the program itself (its state, its values at every
+size) judges once, on the program handed in (`rewrite_judged_on_a_copy`); the
+copy's nodes keep their names, so each match there is built from the verdict its
+namesake got.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from etfold.decisions import Declined, record_applied, record_declined
 from etfold.exir.program.working_copy import copy_for_rewrite
 
 Match = TypeVar("Match")
+Verdict = TypeVar("Verdict")
 
 
 def matches_in(
@@ -62,6 +68,31 @@ def rewrite_matches_on_a_copy(
         rewrite(found)
     program.graph_module.recompile()
     return program
+
+
+def rewrite_judged_on_a_copy(
+    program: ExportedProgram,
+    judge: Callable[[torch.fx.Node], Verdict | Declined | None],
+    match: Callable[[torch.fx.Node, Verdict], Match],
+    rewrite: Callable[[Match], None],
+    fold: str,
+) -> ExportedProgram:
+    """`rewrite_matches_on_a_copy` with every node judged once, on `program`: `judge`
+    gives a node's verdict (None: nothing to decide), and on the copy `match(node,
+    verdict)` builds the match of the node named as the one judged."""
+    judged = {
+        node.name: verdict for node in program.graph.nodes if (verdict := judge(node)) is not None
+    }
+    if not judged:
+        return program
+
+    def judged_match(node: torch.fx.Node) -> Match | Declined | None:
+        verdict = judged.get(node.name)
+        if verdict is None or isinstance(verdict, Declined):
+            return verdict
+        return match(node, verdict)
+
+    return rewrite_matches_on_a_copy(program, judged_match, rewrite, fold)
 
 
 def rewrite_each_match(

@@ -31,7 +31,6 @@ keeping (-1) a size b has not. Runs on the ATen program, before decomposition.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +48,7 @@ from etfold.exir.passes.graph_walk import (
     sizes_known_equal,
     state_facts,
 )
-from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_rewrite_driver import rewrite_judged_on_a_copy
 
 FOLD = "xnnpack.and_all_true_as_other_operand"
 
@@ -141,17 +140,6 @@ def judge_and(node: Node, program: ExportedProgram, facts: StateFacts) -> int | 
     return Declined("; ".join(reasons))
 
 
-def match_and(node: Node, judged: dict[str, int | Declined]) -> AllTrueOperand | Declined | None:
-    """`node`'s match, from the verdicts `judge_and` gave the program by node name (the
-    driver matches again on its copy, whose nodes keep their names)."""
-    if not _is_bool_and(node):
-        return None
-    verdict = judged.get(node.name)
-    if verdict is None or isinstance(verdict, Declined):
-        return verdict
-    return AllTrueOperand(node, verdict)
-
-
 def rewrite_and(match: AllTrueOperand) -> None:
     node = match.node
     true, other = node.args[match.true_at], node.args[1 - match.true_at]
@@ -168,13 +156,6 @@ def rewrite_and(match: AllTrueOperand) -> None:
 def ands_all_true_as_other_operand(program: ExportedProgram) -> ExportedProgram:
     """`program`, or a rewritten copy where some `&` with True gives its other operand."""
     facts = state_facts(program)
-    judged = {
-        node.name: verdict
-        for node in program.graph.nodes
-        if (verdict := judge_and(node, program, facts)) is not None
-    }
-    if not judged:
-        return program
-    return rewrite_matches_on_a_copy(
-        program, functools.partial(match_and, judged=judged), rewrite_and, FOLD
+    return rewrite_judged_on_a_copy(
+        program, lambda node: judge_and(node, program, facts), AllTrueOperand, rewrite_and, FOLD
     )

@@ -30,7 +30,6 @@ positions.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +50,7 @@ from etfold.exir.passes.graph_walk import (
     state_facts,
     symbolic_axes,
 )
-from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_rewrite_driver import rewrite_judged_on_a_copy
 
 FOLD = "xnnpack.embedding_of_positions_as_table_slice"
 
@@ -124,17 +123,10 @@ def judge_positions(
     return length_node(node, indices) or indices
 
 
-def match_positions(
-    node: Node, judged: dict[str, Node | Declined]
-) -> PositionsAsSlice | Declined | None:
-    """`node`'s match, from the verdicts `judge_positions` gave the program by name (the
-    driver matches again on its copy, whose nodes keep their names)."""
-    if node.op != "call_function" or node.target is not aten.embedding.default:
-        return None
-    verdict = judged.get(node.name)
-    if verdict is None or isinstance(verdict, Declined):
-        return verdict
-    (length,) = [n for n in node.graph.nodes if n.name == verdict.name]
+def match_positions(node: Node, length: Node) -> PositionsAsSlice:
+    """`node`'s match on the copy, given the program's node giving n (`judge_positions`'
+    verdict): the copy's node of that name."""
+    (length,) = [n for n in node.graph.nodes if n.name == length.name]
     return PositionsAsSlice(node, length)  # the indices themselves when no size node gives n
 
 
@@ -161,12 +153,10 @@ def rewrite_positions(match: PositionsAsSlice) -> None:
 def embeddings_of_positions_as_table_slices(program: ExportedProgram) -> ExportedProgram:
     """`program`, or a rewritten copy where some lookup of 0..n-1 is the table's slice."""
     facts = state_facts(program)
-    judged = {
-        node.name: verdict
-        for node in program.graph.nodes
-        if (verdict := judge_positions(node, program, facts)) is not None
-    }
-    if not judged:
-        return program
-    match = functools.partial(match_positions, judged=judged)
-    return rewrite_matches_on_a_copy(program, match, rewrite_positions, FOLD)
+    return rewrite_judged_on_a_copy(
+        program,
+        lambda node: judge_positions(node, program, facts),
+        match_positions,
+        rewrite_positions,
+        FOLD,
+    )

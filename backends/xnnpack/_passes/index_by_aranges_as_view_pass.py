@@ -33,7 +33,6 @@ not its coordinate at some size. Runs on the ATen program, before decomposition.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import sympy
@@ -50,7 +49,7 @@ from etfold.exir.passes.graph_walk import (
     sizes_known_equal,
     state_facts,
 )
-from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_rewrite_driver import rewrite_judged_on_a_copy
 
 FOLD = "xnnpack.index_by_aranges_as_view"
 
@@ -165,17 +164,8 @@ def judge_index(
     return inserted_axes(tuple(_value(node.args[0]).shape), tuple(_value(node).shape))
 
 
-def match_index_as_view(
-    node: Node, judged: dict[str, tuple[int, ...] | Declined]
-) -> IndexAsView | Declined | None:
-    """`node`'s match, from the verdicts `judge_index` gave the program by node name
-    (the driver matches again on its copy, whose nodes keep their names)."""
-    if node.op != "call_function" or node.target is not aten.index.Tensor:
-        return None
-    verdict = judged.get(node.name)
-    if verdict is None or isinstance(verdict, Declined):
-        return verdict
-    return IndexAsView(node, node.args[0], verdict)
+def match_index_as_view(node: Node, axes: tuple[int, ...]) -> IndexAsView:
+    return IndexAsView(node, node.args[0], axes)
 
 
 def rewrite_index_as_view(match: IndexAsView) -> None:
@@ -205,12 +195,10 @@ def rewrite_index_as_view(match: IndexAsView) -> None:
 def index_by_aranges_as_view(program: ExportedProgram) -> ExportedProgram:
     """`program`, or a rewritten copy where some index reads its input as a view."""
     facts = state_facts(program)
-    judged = {
-        node.name: verdict
-        for node in program.graph.nodes
-        if (verdict := judge_index(node, program, facts)) is not None
-    }
-    if not judged:
-        return program
-    match = functools.partial(match_index_as_view, judged=judged)
-    return rewrite_matches_on_a_copy(program, match, rewrite_index_as_view, FOLD)
+    return rewrite_judged_on_a_copy(
+        program,
+        lambda node: judge_index(node, program, facts),
+        match_index_as_view,
+        rewrite_index_as_view,
+        FOLD,
+    )

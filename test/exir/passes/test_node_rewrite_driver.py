@@ -11,7 +11,7 @@ import operator
 import torch
 
 from etfold.decisions import Declined, collect_decisions
-from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
+from etfold.exir.passes.node_rewrite_driver import rewrite_each_match, rewrite_judged_on_a_copy
 
 
 class MulChain(torch.nn.Module):
@@ -75,3 +75,51 @@ def test_nothing_matched_leaves_the_graph_and_says_so():
     with collect_decisions() as decisions:
         modified = rewrite_each_match(_multiplies(graph_module), lambda n: None, _drop, "test.fold")
     assert not modified and not decisions and str(graph_module.graph) == before
+
+
+def _judge_times_one(node):
+    """On the program: the factor for a mul by a number (1.0 matches), else None."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.mul.Tensor:
+        return None
+    if not isinstance(node.args[1], float):
+        return None
+    return node.args[1] if node.args[1] == 1.0 else Declined(f"by {node.args[1]}")
+
+
+def _drop_on_the_copy(match):
+    node, judged_on = match
+    assert node.graph is not judged_on.graph  # the copy's node, matched by name
+    node.replace_all_uses_with(node.args[0])
+    node.graph.erase_node(node)
+
+
+def test_judged_once_on_the_program_and_rewritten_on_a_copy():
+    program = torch.export.export(MulChain(), (torch.randn(3),))
+    code = program.graph_module.code
+    judged = []
+
+    def judge(node):
+        judged.append(node.graph)
+        return _judge_times_one(node)
+
+    originals = {n.name: n for n in program.graph.nodes}
+    with collect_decisions() as decisions:
+        rewritten = rewrite_judged_on_a_copy(
+            program,
+            judge,
+            lambda node, factor: (node, originals[node.name]),
+            _drop_on_the_copy,
+            "test.fold",
+        )
+    assert rewritten is not program and program.graph_module.code == code
+    assert set(judged) == {program.graph}  # never judged on the copy
+    assert [(d.applied, d.where) for d in decisions] == [(False, "mul_1")]
+    x = torch.randn(3)
+    torch.testing.assert_close(rewritten.module()(x), x * 2.0)
+
+
+def test_nothing_judged_returns_the_program_itself():
+    program = torch.export.export(MulChain(), (torch.randn(3),))
+    with collect_decisions() as decisions:
+        assert rewrite_judged_on_a_copy(program, lambda n: None, None, None, "test.fold") is program
+    assert not decisions
