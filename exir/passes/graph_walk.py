@@ -117,6 +117,20 @@ def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
     return seen
 
 
+def value_ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """`node` and every node whose values it is computed from: a size read
+    (`sym_size`) is in, what it reads the size of is not (its values are never read)."""
+    seen: set[torch.fx.Node] = set()
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            if current.target is not torch.ops.aten.sym_size.int:
+                stack.extend(current.all_input_nodes)
+    return seen
+
+
 def drop_unread(nodes: list[torch.fx.Node]) -> None:
     """Each pure op among `nodes`, and those it reads in turn, that nothing reads now
     but export's checks of its metadata (`_assert_tensor_metadata`, which go with it:

@@ -32,7 +32,7 @@ from torch.fx import Node
 from etfold.decisions import Declined
 from etfold.exir.passes.constant_prop.evaluate import evaluate
 from etfold.exir.passes.constant_prop.verdicts import EVERY_METHOD, source_verdict
-from etfold.exir.passes.graph_walk import StateFacts, ancestors, input_kinds
+from etfold.exir.passes.graph_walk import StateFacts, input_kinds, value_ancestors
 
 aten = torch.ops.aten
 
@@ -147,7 +147,7 @@ def _value_at(
 
 def reads_user_values(node: Node, program: ExportedProgram) -> bool:
     """`node` is, or computes from, the values of a user input (not its sizes alone)."""
-    cone, kinds = ancestors(node), input_kinds(program)
+    cone, kinds = value_ancestors(node), input_kinds(program)
     return any(
         n.op == "placeholder"
         and kinds.get(n.name) == InputKind.USER_INPUT
@@ -162,7 +162,7 @@ def known_at_every_size(
     """(assignment, `node`'s value there) for every size its bounds allow, or the one
     value (at `{}`) when it reads no size; Declined when it reads a user input's values,
     or a placeholder not known when lowering in every method."""
-    cone = ancestors(node)
+    cone = value_ancestors(node)
     kinds = input_kinds(program)
     sources = {}
     for placeholder in (n for n in cone if n.op == "placeholder"):

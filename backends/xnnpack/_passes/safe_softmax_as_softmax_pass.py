@@ -65,11 +65,11 @@ from etfold.exir.passes.constant_prop.select import select_folds
 from etfold.exir.passes.constant_prop.verdicts import EVERY_METHOD, source_verdict
 from etfold.exir.passes.graph_walk import (
     StateFacts,
-    ancestors,
     input_kinds,
     known_placeholder,
     placeholders,
     state_facts,
+    value_ancestors,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 from etfold.exir.passes.node_shapes import rank_of
@@ -254,7 +254,7 @@ def mask_values(program: ExportedProgram) -> dict[str, MaskValues | Declined]:
     found: dict[str, MaskValues | Declined] = {}
     cone: set[Node] = set()
     for mask in masks:
-        reads = ancestors(mask)
+        reads = value_ancestors(mask)
         declined = known_when_lowering(program, reads, facts)
         if declined is not None:
             found[mask.name] = declined

@@ -307,6 +307,41 @@ def test_declines_when_the_mask_fully_masks_a_row_at_one_length():
     assert reasons[0].endswith("= 2")  # the first length checked: the lower bound
 
 
+class LengthOfAnActivation(torch.nn.Module):
+    """A causal mask built from the length of an activation (queries and keys pooled in
+    pairs), which export reads off that activation: its size, never its values (a
+    wav2vec2 mask reads its feature projection's)."""
+
+    def forward(self, q, k):
+        q, k = (torch.nn.functional.avg_pool1d(t.transpose(1, 2), 2) for t in (q, k))
+        length = q.shape[2]
+        hidden = torch.arange(length) > torch.arange(length)[:, None]
+        mask = torch.where(hidden, float("-inf"), 0.0)
+        scores = q.transpose(1, 2) @ k + mask
+        return torch.ops.aten._safe_softmax(scores, -1) * 2.0
+
+
+def test_a_mask_reading_an_activations_length_drops_the_guard_at_every_length():
+    tokens = torch.export.Dim("tokens", min=2, max=8)
+    inputs = (torch.randn(1, 10, 4), torch.randn(1, 10, 4))
+    program = torch.export.export(
+        LengthOfAnActivation(), inputs, dynamic_shapes=({1: 2 * tokens}, {1: 2 * tokens})
+    )
+    (size,) = program.graph.find_nodes(op="call_function", target=torch.ops.aten.sym_size.int)
+    assert (
+        size.args[0].target is not torch.ops.aten.sym_size.int and size.args[0].op != "placeholder"
+    )
+    table = XnnpackPartitioner()._decomposition_table(program)
+    with collect_decisions() as decisions:
+        rewritten = safe_softmaxes_as_softmax(program, table)
+    assert _ours(decisions) == [
+        (True, "every row of the mask `where` keeps an entry at each of its 7 sizes")
+    ]
+    for length in (2, 5, 8):
+        q, k = torch.randn(1, 2 * length, 4), torch.randn(1, 2 * length, 4)
+        torch.testing.assert_close(rewritten.module()(q, k), LengthOfAnActivation()(q, k))
+
+
 def test_declines_when_the_lengths_are_too_many_to_check():
     tokens = torch.export.Dim("tokens", min=2, max=8192)
     reasons = _declined(

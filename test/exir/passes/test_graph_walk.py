@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from etfold.exir.passes.graph_walk import drop_unread
+from etfold.exir.passes.graph_walk import ancestors, drop_unread, value_ancestors
 
 
 def _graph():
@@ -53,3 +53,20 @@ def test_an_op_still_read_or_a_placeholder_stays():
     graph, nodes, _, _ = _graph()
     drop_unread([nodes["kept"], nodes["x"]])
     assert len(_ops(graph)) == 5
+
+
+def test_value_ancestors_stop_at_a_size_read():
+    class LengthOfPooled(torch.nn.Module):
+        def forward(self, x):
+            h = torch.nn.functional.avg_pool1d(torch.relu(x), 2)
+            return h.sum() + torch.arange(h.shape[-1]).sum()
+
+    half = torch.export.Dim("half", min=2, max=8)
+    program = torch.export.export(
+        LengthOfPooled(), (torch.randn(1, 3, 8),), dynamic_shapes=({2: 2 * half},)
+    )
+    (arange,) = program.graph.find_nodes(op="call_function", target=torch.ops.aten.arange.default)
+    (size,) = arange.all_input_nodes
+    assert size.target is torch.ops.aten.sym_size.int and size.args[0].name == "avg_pool1d"
+    assert {n.name for n in value_ancestors(arange)} == {"arange", size.name}
+    assert {"x", "relu", "avg_pool1d"} <= {n.name for n in ancestors(arange)}
