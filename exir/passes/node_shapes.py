@@ -8,13 +8,27 @@
 
 A matcher that needs sizes asks `static_shape`, which answers only when every
 size is a plain int: a symbolic size is a dynamic shape, and the folds decline
-those rather than guess. `rank_of` needs no sizes, only the tensor.
+those rather than guess. `rank_of` needs no sizes, only the tensor. A rewrite that
+holds on dynamic shapes reads `node_value` and compares with `shapes_known_equal`.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.fx import Node
+
+from etfold.exir.passes.graph_walk import sizes_known_equal
+
+
+def node_value(node: object) -> object:
+    """The node's fake value (meta["val"]: a tensor, a SymInt, ..); None for a non-node
+    or a node without one."""
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def shapes_known_equal(a, b) -> bool:
+    """Same rank, and each pair of sizes known equal at every size the bounds allow."""
+    return len(a) == len(b) and all(sizes_known_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _fake_tensor(node: object) -> torch.Tensor | None:

@@ -49,6 +49,7 @@ from etfold.exir.passes.graph_walk import (
     state_facts,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_judged_on_a_copy
+from etfold.exir.passes.node_shapes import node_value, shapes_known_equal
 
 FOLD = "xnnpack.and_all_true_as_other_operand"
 
@@ -62,19 +63,11 @@ class AllTrueOperand:
     true_at: int  # a's position among z's arguments (read again when rewriting)
 
 
-def _value(node: object):
-    return node.meta.get("val") if isinstance(node, Node) else None
-
-
 def _is_bool_and(node: Node) -> bool:
     if node.op != "call_function" or node.target not in ANDS:
         return False
-    values = [_value(node), *map(_value, node.args[:2])]
+    values = [node_value(node), *map(node_value, node.args[:2])]
     return all(isinstance(v, torch.Tensor) and v.dtype == torch.bool for v in values)
-
-
-def _same_shape(a, b) -> bool:
-    return len(a) == len(b) and all(sizes_known_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def all_true(node: Node, program: ExportedProgram, facts: StateFacts) -> Declined | None:
@@ -103,10 +96,10 @@ def _keeps_a_size_other_lacks(expand: Node, other: torch.Tensor, out: torch.Tens
 
 
 def readers_take_the_other(node: Node, other: Node) -> Declined | None:
-    out, value = _value(node), _value(other)
+    out, value = node_value(node), node_value(other)
     if any(reader.op == "output" for reader in node.users):
         return Declined("the program returns it: its output would become another value")
-    if _same_shape(value.shape, out.shape):
+    if shapes_known_equal(value.shape, out.shape):
         return None
     for reader in node.users:
         if reader.target is not aten.expand.default or reader.args[0] is not node:
@@ -143,7 +136,7 @@ def judge_and(node: Node, program: ExportedProgram, facts: StateFacts) -> int | 
 def rewrite_and(match: AllTrueOperand) -> None:
     node = match.node
     true, other = node.args[match.true_at], node.args[1 - match.true_at]
-    if _same_shape(_value(other).shape, _value(node).shape):
+    if shapes_known_equal(node_value(other).shape, node_value(node).shape):
         node.replace_all_uses_with(other)
     else:
         for reader in list(node.users):

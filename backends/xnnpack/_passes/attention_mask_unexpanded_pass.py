@@ -38,6 +38,7 @@ from torch.fx import Node
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import drop_unread, sizes_known_equal
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_shapes import node_value
 
 FOLD = "xnnpack.attention_mask_unexpanded"
 
@@ -50,10 +51,6 @@ MASK_AT = 3  # attn_mask's position among SDPA's arguments
 class ExpandedMask:
     attention: Node
     expand: Node
-
-
-def _value(node: object):
-    return node.meta.get("val") if isinstance(node, Node) else None
 
 
 def broadcasts_to(shape: Sequence, target: Sequence) -> bool:
@@ -74,7 +71,7 @@ def _mask(node: Node) -> object:
 
 
 def _scores_shape(node: Node) -> list:
-    query, key = _value(node.args[0]), _value(node.args[1])
+    query, key = node_value(node.args[0]), node_value(node.args[1])
     return [*query.shape[:-1], key.shape[-2]]
 
 
@@ -84,7 +81,7 @@ def match_expanded_mask(node: Node) -> ExpandedMask | Declined | None:
     mask = _mask(node)
     if not isinstance(mask, Node) or mask.target is not aten.expand.default:
         return None
-    source = _value(mask.args[0])
+    source = node_value(mask.args[0])
     if source is None or not broadcasts_to(list(source.shape), _scores_shape(node)):
         return Declined(
             f"`{mask.args[0].name}` ({list(getattr(source, 'shape', []))}) is not known "

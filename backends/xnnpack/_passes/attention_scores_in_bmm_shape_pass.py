@@ -53,6 +53,7 @@ from etfold.backends.xnnpack._passes.decomposed_first import decomposed_for
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import sizes_known_equal, symbolic_axes
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_shapes import node_value, shapes_known_equal
 
 FOLD = "xnnpack.attention_scores_in_bmm_shape"
 
@@ -82,34 +83,28 @@ class ScoresChain:
     dropped: frozenset[Node]  # the region's same-shape expands
 
 
-def _value(node: object):
-    return node.meta.get("val") if isinstance(node, Node) else None
-
-
-def _same_shape(a, b) -> bool:
-    return len(a) == len(b) and all(sizes_known_equal(x, y) for x, y in zip(a, b, strict=True))
-
-
 def _prepends_one(view: Node) -> bool:
     """`view` gives its 3-D input's shape with a leading 1."""
-    source, value = _value(view.args[0]), _value(view)
+    source, value = node_value(view.args[0]), node_value(view)
     if source is None or value is None or source.dim() != 3 or value.dim() != 4:
         return False
-    return sizes_known_equal(value.shape[0], 1) and _same_shape(value.shape[1:], source.shape)
+    return sizes_known_equal(value.shape[0], 1) and shapes_known_equal(
+        value.shape[1:], source.shape
+    )
 
 
 def _is_identity_expand(node: Node) -> bool:
     """An expand to its input's own shape (SDPA writes one before the second matmul)."""
     if node.target is not aten.expand.default:
         return False
-    return _same_shape(_value(node).shape, _value(node.args[0]).shape)
+    return shapes_known_equal(node_value(node).shape, node_value(node.args[0]).shape)
 
 
 def _is_mask(operand: object) -> bool:
     """A second operand an elementwise op of f may read from outside it."""
     if not isinstance(operand, Node):
         return isinstance(operand, (int, float))
-    mask = _value(operand)
+    mask = node_value(operand)
     return mask is not None and (mask.dim() < 4 or sizes_known_equal(mask.shape[0], 1))
 
 
@@ -157,7 +152,7 @@ def _the_region(lifted: Node) -> tuple[list[Node], Node] | Declined:
     if len(views) != 1 or views[0].args[0] not in region:
         return Declined(f"the scores leave through {len(views)} views, not one view back of f")
     for node in region:
-        value = _value(node)
+        value = node_value(node)
         if value is None or value.dim() != 4 or not sizes_known_equal(value.shape[0], 1):
             return Declined(f"`{node.name}` is not 4-D with a leading 1")
         if outside := _outside_inputs(node, region | {lifted}):
@@ -176,7 +171,7 @@ def match_scores_chain(node: Node) -> ScoresChain | Declined | None:
     source = node.args[0]
     if not (isinstance(source, Node) and source.target is aten.bmm.default and _prepends_one(node)):
         return None
-    if len(symbolic_axes(_value(node))) < 2:
+    if len(symbolic_axes(node_value(node))) < 2:
         return None  # XNNPACK's reshape takes it: nothing to gain
     found = _the_region(node)
     if isinstance(found, Declined):
@@ -184,7 +179,7 @@ def match_scores_chain(node: Node) -> ScoresChain | Declined | None:
     chain, lowered = found
     if not any(op.target is aten._softmax.default for op in chain):
         return Declined("the scores reach the view back without a softmax")
-    if not _same_shape(_value(lowered).shape, _value(source).shape):
+    if not shapes_known_equal(node_value(lowered).shape, node_value(source).shape):
         return Declined("the view back does not give the scores' bmm shape")
     dropped = frozenset(op for op in chain if _is_identity_expand(op))
     return ScoresChain(node, tuple(chain), lowered, dropped)
@@ -193,7 +188,7 @@ def match_scores_chain(node: Node) -> ScoresChain | Declined | None:
 def _squeezed(graph, anchor: Node, mask: Node) -> Node:
     with graph.inserting_before(anchor):
         squeezed = graph.call_function(aten.squeeze.dim, (mask, 0))
-    squeezed.meta = {**mask.meta, "val": _value(mask).squeeze(0)}
+    squeezed.meta = {**mask.meta, "val": node_value(mask).squeeze(0)}
     return squeezed
 
 
@@ -210,12 +205,12 @@ def rewrite_scores_chain(match: ScoresChain) -> None:
             continue
         args = list(node.args)
         mask = args[1] if node.target in ELEMENTWISE else None
-        if isinstance(mask, Node) and mask not in inside and _value(mask).dim() == 4:
+        if isinstance(mask, Node) and mask not in inside and node_value(mask).dim() == 4:
             args[1] = _squeezed(graph, node, mask)
         if node.target in (aten._softmax.default, aten.any.dim):
             args[1] = -1
         node.args = tuple(args)
-        operands = [_value(a) if isinstance(a, Node) else a for a in args]
+        operands = [node_value(a) if isinstance(a, Node) else a for a in args]
         node.meta["val"] = node.target(*operands, **node.kwargs)
     match.lowered.replace_all_uses_with(match.lowered.args[0])
     graph.erase_node(match.lowered)

@@ -46,10 +46,10 @@ from etfold.exir.passes.graph_walk import (
     StateFacts,
     add_lifted_constant,
     drop_unread,
-    sizes_known_equal,
     state_facts,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
+from etfold.exir.passes.node_shapes import node_value, shapes_known_equal
 from etfold.exir.program.working_copy import copy_for_rewrite
 
 FOLD = "xnnpack.embedding_of_one_index_as_row"
@@ -77,23 +77,15 @@ class EmbeddingAsRow:
     row: Row
 
 
-def _value(node: object):
-    return node.meta.get("val") if isinstance(node, Node) else None
-
-
-def _same_shape(a, b) -> bool:
-    return len(a) == len(b) and all(sizes_known_equal(x, y) for x, y in zip(a, b, strict=True))
-
-
 def readers_broadcast_a_row(node: Node) -> Declined | None:
-    shape = _value(node).shape
+    shape = node_value(node).shape
     for reader in node.users:
         operands = reader.args[:2]
         others = [o for o in operands if o is not node]
         if (
             reader.target not in BROADCASTING_READERS
             or len(others) != 1
-            or not _same_shape(getattr(_value(others[0]), "shape", ()), shape)
+            or not shapes_known_equal(getattr(node_value(others[0]), "shape", ()), shape)
         ):
             return Declined(
                 f"`{reader.name}` reads it, not an add, sub or mul with an operand of its shape"
@@ -138,7 +130,7 @@ def judge_embedding(
         return table
     if not 0 <= index < table.shape[0]:
         return Declined(f"`{indices.name}` holds {index}, not a row of `{weight.name}`")
-    shape = (1,) * (_value(node).dim() - 1) + (table.shape[1],)
+    shape = (1,) * (node_value(node).dim() - 1) + (table.shape[1],)
     return Row(weight.name, index, table[index].detach().reshape(shape).clone())
 
 

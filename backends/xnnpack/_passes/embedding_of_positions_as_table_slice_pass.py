@@ -51,6 +51,7 @@ from etfold.exir.passes.graph_walk import (
     symbolic_axes,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_judged_on_a_copy
+from etfold.exir.passes.node_shapes import node_value
 
 FOLD = "xnnpack.embedding_of_positions_as_table_slice"
 
@@ -61,10 +62,6 @@ aten = torch.ops.aten
 class PositionsAsSlice:
     node: Node  # e = embedding(W, i)
     length: Node  # a node giving n, or the indices (their last size gives it)
-
-
-def _value(node: object):
-    return node.meta.get("val") if isinstance(node, Node) else None
 
 
 def _counts_from_zero(indices: Node, program: ExportedProgram, facts: StateFacts):
@@ -79,7 +76,7 @@ def _counts_from_zero(indices: Node, program: ExportedProgram, facts: StateFacts
 
 
 def _rows_enough(weight: Node, indices: Node) -> Declined | None:
-    rows, n = _value(weight).shape[0], _value(indices).shape[-1]
+    rows, n = node_value(weight).shape[0], node_value(indices).shape[-1]
     if type(rows) is not int or size_bounds(n)[1] > rows:
         return Declined(f"`{weight.name}` has fewer rows than {n} may reach")
     return None
@@ -88,7 +85,7 @@ def _rows_enough(weight: Node, indices: Node) -> Declined | None:
 def length_node(embedding: Node, indices: Node) -> Node | None:
     """A node before `embedding` giving n computed without `indices` (which then goes),
     or None: the rewrite reads n off `indices` itself."""
-    n = _value(indices).shape[-1]
+    n = node_value(indices).shape[-1]
     for node in embedding.graph.nodes:
         if node is embedding:
             break
@@ -107,7 +104,7 @@ def judge_positions(
     if node.op != "call_function" or node.target is not aten.embedding.default:
         return None
     weight, indices = node.args[0], node.args[1]
-    value = _value(indices)
+    value = node_value(indices)
     if value is None or reads_user_values(indices, program):
         return None
     if value.dim() < 1 or symbolic_axes(value) != (value.dim() - 1,):
@@ -133,17 +130,17 @@ def match_positions(node: Node, length: Node) -> PositionsAsSlice:
 def rewrite_positions(match: PositionsAsSlice) -> None:
     node, graph = match.node, match.node.graph
     weight, indices = node.args[0], node.args[1]
-    table, n = _value(weight), _value(indices).shape[-1]
+    table, n = node_value(weight), node_value(indices).shape[-1]
     with graph.inserting_before(node):
         length = match.length
         if length is indices:
             length = graph.call_function(aten.sym_size.int, (indices, -1))
             length.meta["val"] = n
-        shape = [*([1] * (_value(indices).dim() - 1)), length, table.shape[1]]
+        shape = [*([1] * (node_value(indices).dim() - 1)), length, table.shape[1]]
         rows = graph.call_function(aten.slice.Tensor, (weight, 0, 0, length))
         rows.meta["val"] = table[:n]
         view = graph.call_function(aten.view.default, (rows, shape))
-    view.meta = {**node.meta, "val": _value(node)}
+    view.meta = {**node.meta, "val": node_value(node)}
     node.replace_all_uses_with(view)
     graph.erase_node(node)
     drop_unread([indices])

@@ -50,6 +50,7 @@ from etfold.exir.passes.graph_walk import (
     state_facts,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_judged_on_a_copy
+from etfold.exir.passes.node_shapes import node_value
 
 FOLD = "xnnpack.index_by_aranges_as_view"
 
@@ -61,10 +62,6 @@ class IndexAsView:
     index: Node
     source: Node
     axes: tuple[int, ...]  # axes[d]: the axis of the output that dim d of the source is
-
-
-def _value(node: object):
-    return node.meta.get("val") if isinstance(node, Node) else None
 
 
 def inserted_axes(source: tuple, out: tuple) -> tuple[int, ...] | None:
@@ -82,16 +79,16 @@ def inserted_axes(source: tuple, out: tuple) -> tuple[int, ...] | None:
 
 def indexes_every_dim(node: Node) -> Declined | None:
     source, indices = node.args[0], node.args[1]
-    if any(not isinstance(i, Node) for i in indices) or len(indices) != _value(source).dim():
+    if any(not isinstance(i, Node) for i in indices) or len(indices) != node_value(source).dim():
         return Declined(
             f"indexes {sum(isinstance(i, Node) for i in indices)} of the "
-            f"{_value(source).dim()} dims of `{source.name}` by tensors"
+            f"{node_value(source).dim()} dims of `{source.name}` by tensors"
         )
     return None
 
 
 def ones_inserted(node: Node) -> Declined | None:
-    source, out = _value(node.args[0]), _value(node)
+    source, out = node_value(node.args[0]), node_value(node)
     if inserted_axes(tuple(source.shape), tuple(out.shape)) is None:
         return Declined(
             f"the output's shape {list(out.shape)} is not {list(source.shape)} with 1s inserted"
@@ -100,7 +97,7 @@ def ones_inserted(node: Node) -> Declined | None:
 
 
 def contiguous_source(node: Node) -> Declined | None:
-    if not known_contiguous(_value(node.args[0])):
+    if not known_contiguous(node_value(node.args[0])):
         return Declined(f"`{node.args[0].name}` is not known contiguous: a view cannot read it")
     return None
 
@@ -130,8 +127,8 @@ def each_index_its_coordinate(
     node: Node, program: ExportedProgram, facts: StateFacts
 ) -> Declined | None:
     source, indices = node.args[0], node.args[1]
-    shape, rank = _value(source).shape, _value(node).dim()
-    axes = inserted_axes(tuple(shape), tuple(_value(node).shape))
+    shape, rank = node_value(source).shape, node_value(node).dim()
+    axes = inserted_axes(tuple(shape), tuple(node_value(node).shape))
     for d, index in enumerate(indices):
         found = known_at_every_size(program, index, facts)
         if isinstance(found, Declined):
@@ -161,7 +158,7 @@ def judge_index(
     )
     if declined is not None:
         return declined
-    return inserted_axes(tuple(_value(node.args[0]).shape), tuple(_value(node).shape))
+    return inserted_axes(tuple(node_value(node.args[0]).shape), tuple(node_value(node).shape))
 
 
 def match_index_as_view(node: Node, axes: tuple[int, ...]) -> IndexAsView:
@@ -170,10 +167,10 @@ def match_index_as_view(node: Node, axes: tuple[int, ...]) -> IndexAsView:
 
 def rewrite_index_as_view(match: IndexAsView) -> None:
     graph, index, source = match.index.graph, match.index, match.source
-    shape = _value(source).shape
+    shape = node_value(source).shape
     sizes: list[object] = []
     with graph.inserting_before(index):
-        for axis, size in enumerate(_value(index).shape):
+        for axis, size in enumerate(node_value(index).shape):
             if type(size) is int:
                 sizes.append(size)
                 continue
@@ -182,7 +179,7 @@ def rewrite_index_as_view(match: IndexAsView) -> None:
             read.meta["val"] = shape[dim]
             sizes.append(read)
         view = graph.call_function(aten.view.default, (source, sizes))
-    view.meta = {**index.meta, "val": _value(source).view(_value(index).shape)}
+    view.meta = {**index.meta, "val": node_value(source).view(node_value(index).shape)}
     indices = list(index.args[1])
     index.replace_all_uses_with(view)
     graph.erase_node(index)
