@@ -31,6 +31,9 @@ from torch.export import ExportedProgram
 from etfold.backends.xnnpack._passes.and_all_true_as_other_operand_pass import (
     ands_all_true_as_other_operand,
 )
+from etfold.backends.xnnpack._passes.attention_mask_all_true_pass import (
+    attention_masks_all_true_dropped,
+)
 from etfold.backends.xnnpack._passes.attention_mask_unexpanded_pass import (
     attention_masks_unexpanded,
 )
@@ -190,6 +193,15 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         "ands_all_true_as_other_operand",
         lambda program, _: ands_all_true_as_other_operand(program),
         after=(_MARKS,),
+    ),
+    PreDecompositionRewrite(
+        "attention_masks_all_true_dropped",
+        lambda program, _: attention_masks_all_true_dropped(program),
+        # before the weight fold, whose decomposition writes SDPA out
+        after=(
+            _MARKS,
+            ("ands_all_true_as_other_operand", "a mask & True is the mask this checks"),
+        ),
     ),
     PreDecompositionRewrite(
         "attention_masks_unexpanded",

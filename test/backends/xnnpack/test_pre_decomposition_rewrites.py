@@ -35,6 +35,7 @@ DECLARED = [
     "embeddings_of_positions_as_table_slices",
     "index_by_aranges_as_view",
     "ands_all_true_as_other_operand",
+    "attention_masks_all_true_dropped",
     "attention_masks_unexpanded",
     "fold_gemm_weights",
     "safe_softmaxes_as_softmax",
