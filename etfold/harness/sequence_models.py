@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from etfold.harness.dynamic_pairs import LengthAxis
 
 WIDTH = 16
+# token ids of length 2..32 (a position table's 32 rows), traced at 6
+TOKEN_LENGTH = LengthAxis(((1,),), 2, 32, 6)
 # a padded sequence and its mask share the length, 2..16, traced at 6
 PADDED_LENGTH = LengthAxis(((1,), (1,)), 2, 16, 6)
 

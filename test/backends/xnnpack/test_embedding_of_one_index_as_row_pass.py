@@ -23,12 +23,11 @@ from etfold.backends.xnnpack._passes.embedding_of_one_index_as_row_pass import (
 from etfold.decisions import collect_decisions
 from etfold.exir.program.lower import mark_for_lowering
 from etfold.harness.dynamic_pairs import (
-    LengthAxis,
     assert_dynamic_matches_eager,
     decisions_apart,
     lower_xnnpack_pair,
 )
-from etfold.harness.sequence_models import token_ids
+from etfold.harness.sequence_models import TOKEN_LENGTH, token_ids
 
 EMBEDDING = "aten.embedding.default"
 
@@ -80,12 +79,9 @@ class Embeddings(torch.nn.Module):
         return self.out(self.norm(x))
 
 
-AXIS = LengthAxis(((1,),), 2, 32, 6)
-
-
 @functools.cache
 def _pair():
-    return lower_xnnpack_pair(Embeddings, token_ids, AXIS)
+    return lower_xnnpack_pair(Embeddings, token_ids, TOKEN_LENGTH)
 
 
 def test_the_token_types_are_one_row_static_and_dynamic_alike():
@@ -106,7 +102,9 @@ def test_the_token_types_are_one_row_static_and_dynamic_alike():
 
 
 def _export(module: torch.nn.Module) -> torch.export.ExportedProgram:
-    return torch.export.export(module.eval(), token_ids(6), dynamic_shapes=AXIS.dynamic_shapes())
+    return torch.export.export(
+        module.eval(), token_ids(6), dynamic_shapes=TOKEN_LENGTH.dynamic_shapes()
+    )
 
 
 def test_the_graph_adds_a_row_constant():

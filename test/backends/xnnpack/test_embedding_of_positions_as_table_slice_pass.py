@@ -22,12 +22,11 @@ from etfold.backends.xnnpack._passes.embedding_of_positions_as_table_slice_pass 
 from etfold.decisions import collect_decisions
 from etfold.exir.program.lower import mark_for_lowering
 from etfold.harness.dynamic_pairs import (
-    LengthAxis,
     assert_dynamic_matches_eager,
     decisions_apart,
     lower_xnnpack_pair,
 )
-from etfold.harness.sequence_models import token_ids
+from etfold.harness.sequence_models import TOKEN_LENGTH, token_ids
 
 EMBEDDING = "aten.embedding.default"
 
@@ -56,12 +55,9 @@ class Positions(torch.nn.Module):
         return self.out(self.words(ids) + self.table(self.positions(self, ids.shape[1])))
 
 
-AXIS = LengthAxis(((1,),), 2, 32, 6)
-
-
 @functools.cache
 def _pair():
-    return lower_xnnpack_pair(Positions, token_ids, AXIS)
+    return lower_xnnpack_pair(Positions, token_ids, TOKEN_LENGTH)
 
 
 def test_the_dynamic_positions_are_the_tables_rows():
@@ -76,7 +72,9 @@ def test_the_dynamic_positions_are_the_tables_rows():
 
 
 def _export(module: torch.nn.Module, marked: bool = True) -> torch.export.ExportedProgram:
-    program = torch.export.export(module.eval(), token_ids(6), dynamic_shapes=AXIS.dynamic_shapes())
+    program = torch.export.export(
+        module.eval(), token_ids(6), dynamic_shapes=TOKEN_LENGTH.dynamic_shapes()
+    )
     if marked:
         mark_for_lowering({"forward": program})  # as etfold's entry point marks its copy
     return program
