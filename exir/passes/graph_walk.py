@@ -105,30 +105,32 @@ def stored_value(ep: ExportedProgram, kind: InputKind, fqn: str, persistent: boo
     return ep.constants.get(fqn)
 
 
-def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
-    """`node` and every node it reads, directly or through others."""
+def _reachable(node: torch.fx.Node, inputs) -> set[torch.fx.Node]:
+    """`node` and every node `inputs` leads to from it, transitively."""
     seen: set[torch.fx.Node] = set()
     stack = [node]
     while stack:
         current = stack.pop()
         if current not in seen:
             seen.add(current)
-            stack.extend(current.all_input_nodes)
+            stack.extend(inputs(current))
     return seen
+
+
+def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """`node` and every node it reads, directly or through others."""
+    return _reachable(node, lambda current: current.all_input_nodes)
 
 
 def value_ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
     """`node` and every node whose values it is computed from: a size read
     (`sym_size`) is in, what it reads the size of is not (its values are never read)."""
-    seen: set[torch.fx.Node] = set()
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if current not in seen:
-            seen.add(current)
-            if current.target is not torch.ops.aten.sym_size.int:
-                stack.extend(current.all_input_nodes)
-    return seen
+
+    def value_inputs(current: torch.fx.Node) -> list[torch.fx.Node]:
+        sizes_only = current.target is torch.ops.aten.sym_size.int
+        return [] if sizes_only else current.all_input_nodes
+
+    return _reachable(node, value_inputs)
 
 
 def drop_unread(nodes: list[torch.fx.Node]) -> None:
