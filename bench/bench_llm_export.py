@@ -24,11 +24,7 @@ noisy; structure is exact. `--layers 2 --modes fp32,8da4w --no-hf --budget 4 --r
   8da4w  the same structure; prefill 4.18 / 4.33 ms (linears alone 3.65), e/s 1.04
          (1.00-1.08); decode 2.21 / 2.19 ms (linears alone 2.05), e/s 0.99 (0.95-1.03); ETDump
          outside share prefill 14.5 % -> 7.0 %, decode 5.8 % -> 3.2 %; export 56.4 -> 48.9 CPU s
-HF rows (`--no-llm --budget 3 --runs 5` at b45b41a), stock -> etfold delegates/outside,
-stock/etfold latency: BERT static 9/49 -> 1/1, 1.79x (1.67-1.88); dynamic 19/72 -> 1/17,
-1.53x (1.44-1.59). wav2vec2 static 12/48 -> 2/1, 5.32x (4.99-5.56); dynamic: stock and
-etfold both fail to lower ("Output node 'aten_linear_default' is already in the inputs").
-Llama static 14/88 -> 2/2, 1.65x (1.59-1.73); dynamic 27/124 -> 2/44, 1.36x (1.32-1.41).
+HF rows: current figures, with their command, in docs/benchmarks.md.
 
 Stock is upstream's `export_llama`; etfold is `etfold.llm_export.export_llama` (the same
 pipeline with etfold's partitioners and lowering speed-ups). Each export runs in its own
