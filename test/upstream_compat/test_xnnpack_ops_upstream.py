@@ -55,7 +55,6 @@ SAMPLED = {
     "test_add": {"test_fp32_add"},
     "test_softmax": {"test_fp32_softmax"},
     "test_permute": {"test_fp32_permute"},
-    "test_lstm": {"test_fp32_lstm"},
 }
 # what each module may have imported for itself -> etfold's replacement
 REPLACEMENTS = {"XnnpackPartitioner": XnnpackPartitioner, "constant_prop_pass": constant_prop_pass}
