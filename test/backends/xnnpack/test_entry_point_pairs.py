@@ -175,6 +175,7 @@ class RotaryBlock(torch.nn.Module):
         return x + self.out(attention.transpose(1, 2).flatten(2))
 
 
+@pytest.mark.long  # half-precision pairs; tiny_qwen2 pairs its rotary tables in the short run
 @PAIRS
 @given(dtype=st.sampled_from(sorted(HALF)), heads=st.sampled_from([1, 2]), seq=st.integers(2, 5))
 def test_half_precision_rotary_block_decides_alike(dtype, heads, seq):

@@ -158,6 +158,7 @@ def test_a_layer_decides_alike_static_and_dynamic_and_matches_eager(kind):
         assert lowered.program.delegates() == 1
 
 
+@pytest.mark.long  # generated layers; the hand-written decoder and encoder pairs stay short
 @settings(max_examples=2, deadline=None, derandomize=True, database=None)
 @given(
     heads=st.sampled_from([1, 2, 4]),
