@@ -55,7 +55,9 @@ class LlamaShape:
         return self.dim // self.n_heads
 
 
-TINY = LlamaShape(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=256)
+# One layer: every fold export_llama's program gets applies per layer (and a second layer
+# doubled the test's two exports, 25 s each on 2 cores, to check nothing more)
+TINY = LlamaShape(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=256)
 # SmolLM2-135M's shape (its tied embedding written as two tensors, as Meta checkpoints hold them)
 SMOLLM2_135M = LlamaShape(
     dim=576,

@@ -8,10 +8,10 @@
 
 The scope: inside it, and only in the context that entered it, export_llama's
 partitioner requests get etfold's partitioners; afterwards upstream's function is
-back. The export: a tiny llama3-style model (dim 64, 2 layers, 4 heads / 2 KV
-heads, vocab 256, random Meta-format checkpoint) exported by upstream's
-`export_llama` and by etfold's, each .pte run on the XNNPACK runtime: prefill of 8
-tokens, then one decode step, outputs equal.
+back. The export: a tiny llama3-style model (dim 64, 1 layer, 4 heads / 2 KV
+heads, vocab 256, random Meta-format checkpoint, a KV cache of 16 positions)
+exported by upstream's `export_llama` and by etfold's, each .pte run on the XNNPACK
+runtime: prefill of 8 tokens, then one decode step, outputs equal.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from etfold.llm_export import EXPORT_LLAMA_LIB, PARTITIONER_FACTORY, etfold_part
 
 PROMPT = torch.randint(0, TINY.vocab_size, (1, 8), generator=torch.Generator().manual_seed(3))
 NEXT_TOKEN = 17
+MAX_SEQ_LENGTH = 16  # the prompt and one decoded token fit
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +93,10 @@ def test_a_deferring_partitioner_takes_nothing_and_its_successor_takes_the_linea
         program = torch.export.export(model, (x,))
         return upstream_lower(program, partitioner=[first, general]).to_executorch()
 
-    calls = {defer: _delegate_calls(lowered(defer)) for defer in (False, True)}
+    programs = {defer: lowered(defer) for defer in (False, True)}
+    calls = {defer: _delegate_calls(program) for defer, program in programs.items()}
     assert calls == {False: 4, True: 1}  # each linear, the SiLU and the norm alone; all in one
-    runtime = load_program(lowered(True))
+    runtime = load_program(programs[True])
     assert_close(list(runtime.run_method("forward", (x,))), eager_outputs(model, (x,)), atol=1e-5)
 
 
@@ -146,7 +148,9 @@ def _exports(model_files, tmp_path, mode: str) -> dict[str, bytes]:
     params, checkpoint = model_files
     return {
         flavour: export(
-            export_llama_arguments(params, checkpoint, mode, tmp_path / f"{flavour}.pte")
+            export_llama_arguments(
+                params, checkpoint, mode, tmp_path / f"{flavour}.pte", MAX_SEQ_LENGTH
+            )
         )
         for flavour, export in (("stock", export_stock), ("etfold", export_etfold))
     }
