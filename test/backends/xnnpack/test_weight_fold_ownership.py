@@ -34,6 +34,9 @@ from etfold.exir.passes.constant_prop.name import fold_root, is_folded_target
 from etfold.harness.xnnpack_runner import assert_close, lower_module_xnnpack
 
 DIGEST = "0123456789abcdef" * 4
+STEPS = (
+    3  # the LSTM's sequence: a first step (folded) and steps after it (the graph grows per step)
+)
 _DELEGATE_CALL = torch.ops.higher_order.executorch_call_delegate
 
 
@@ -70,7 +73,7 @@ def test_fold_names_keep_one_suffix():
 
 def test_a_constant_folded_twice_has_one_name_and_one_tensor():
     torch.manual_seed(0)
-    program = torch.export.export(LstmHead().eval(), (torch.randn(1, 5, 8),))
+    program = torch.export.export(LstmHead().eval(), (torch.randn(1, STEPS, 8),))
     folded = XnnpackPartitioner().transform_for_pre_decomposition(program)
     targets = [s.target for s in folded.graph_signature.input_specs if s.target]
     made = [t for t in targets if is_folded_target(t)]
@@ -82,7 +85,7 @@ def test_a_constant_folded_twice_has_one_name_and_one_tensor():
 
 def test_folded_lstm_constants_are_owned_by_their_delegate():
     torch.manual_seed(0)
-    x = torch.randn(1, 6, 8)
+    x = torch.randn(1, STEPS, 8)
     with collect_decisions() as decisions:
         program, reference = lower_module_xnnpack(
             LstmHead().eval(), (x,), [XnnpackPartitioner()], lower=etfold_lower
@@ -97,7 +100,7 @@ def test_upstreams_partitioner_leaves_the_folded_constants_as_delegate_inputs():
     """The counterpart: upstream's configs claim GEMM operands only, so the constants etfold's
     fold made are runtime inputs unless etfold's partitioner owns them."""
     torch.manual_seed(0)
-    program = torch.export.export(LstmHead().eval(), (torch.randn(1, 6, 8),))
+    program = torch.export.export(LstmHead().eval(), (torch.randn(1, STEPS, 8),))
     folded = XnnpackPartitioner().transform_for_pre_decomposition(program)
     edge = upstream_lower(folded, partitioner=[UpstreamXnnpackPartitioner()])
     assert _delegate_state_inputs(edge)
@@ -136,7 +139,7 @@ def test_nothing_to_own_when_no_reader_is_delegated_or_already_owned():
 
 def test_folded_constants_are_found_by_their_signature_target():
     torch.manual_seed(0)
-    program = torch.export.export(LstmHead().eval(), (torch.randn(1, 4, 8),))
+    program = torch.export.export(LstmHead().eval(), (torch.randn(1, STEPS, 8),))
     assert folded_constants(program) == []
     folded = XnnpackPartitioner().transform_for_pre_decomposition(program)
     names = [n.name for n in folded_constants(folded)]
