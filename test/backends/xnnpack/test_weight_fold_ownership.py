@@ -34,9 +34,8 @@ from etfold.exir.passes.constant_prop.name import fold_root, is_folded_target
 from etfold.harness.xnnpack_runner import assert_close, lower_module_xnnpack
 
 DIGEST = "0123456789abcdef" * 4
-STEPS = (
-    3  # the LSTM's sequence: a first step (folded) and steps after it (the graph grows per step)
-)
+# the LSTM's sequence: a first step (folded) and steps after it (the graph grows per step)
+STEPS = 3
 _DELEGATE_CALL = torch.ops.higher_order.executorch_call_delegate
 
 
