@@ -77,8 +77,10 @@ def _llama(dtype, upstream_entry_point):
     return lowering.program, lowering.inputs, lowering.expected, lowering.decisions
 
 
-# The bf16 decoder through both entry points in `make test` (the fp32 encoder attention
-# below covers the pass in fp32); the fp32 decoder, another decoder lowering, in `make test-long`.
+# The bf16 decoder through etfold's entry point in `make test` (the fp32 encoder attention
+# below covers the pass in fp32; test_entry_point_pairs, that upstream's entry point decides
+# as etfold's); the fp32 decoder and upstream's entry point, each another decoder lowering,
+# in `make test-long`.
 # measured before this pass: the guard's six ops per layer stay outside, between 4
 # delegates; without them the two layers lower as 2 (the embedding and the final alias
 # stay outside)
@@ -91,7 +93,7 @@ DECODER_DELEGATES = 2
         pytest.param(torch.float32, False, 1e-4, marks=pytest.mark.long),
         (torch.bfloat16, False, 2e-2),
         pytest.param(torch.float32, True, 1e-4, marks=pytest.mark.long),
-        (torch.bfloat16, True, 2e-2),
+        pytest.param(torch.bfloat16, True, 2e-2, marks=pytest.mark.long),
     ],
     ids=["fp32", "bf16", "fp32-upstream_entry_point", "bf16-upstream_entry_point"],
 )
@@ -365,7 +367,9 @@ def test_declines_when_the_program_returns_the_guarded_softmax():
 # ---- generated constant masks: rewritten exactly when every row keeps an entry
 
 
-@settings(max_examples=3, deadline=None)
+# derandomized, the two masks drawn are all False (declined) and one whose every row keeps
+# an entry (rewritten); the hand-written tests above hold both outcomes too
+@settings(max_examples=2, deadline=None)
 @given(
     rows=st.lists(st.lists(st.booleans(), min_size=4, max_size=4), min_size=4, max_size=4),
 )
