@@ -56,10 +56,15 @@ def _additive_mask(length: int) -> torch.Tensor:
     return torch.where(hidden, float("-inf"), 0.0)[None, None]
 
 
+# is_causal's mask is the 4-d mask's form (an additive [t, t] mask from the length between
+# the bmm and the softmax) built by SDPA's decomposition: in `make test-long`
 @pytest.mark.parametrize(
     "module",
-    [Attention(), Attention(causal=True), Attention(mask=_additive_mask)],
-    ids=["no-mask", "causal", "4-d-mask"],
+    [
+        pytest.param(Attention(), id="no-mask"),
+        pytest.param(Attention(causal=True), id="causal", marks=pytest.mark.long),
+        pytest.param(Attention(mask=_additive_mask), id="4-d-mask"),
+    ],
 )
 def test_dynamic_attention_is_one_delegate_like_the_static_one(module):
     torch.manual_seed(0)
