@@ -59,11 +59,15 @@ def rewrite_matches_on_a_copy(
     match: Callable[[torch.fx.Node], Match | Declined | None],
     rewrite: Callable[[Match], None],
     fold: str,
+    on_copy: Callable[[ExportedProgram], None] | None = None,
 ) -> ExportedProgram:
-    """`program` itself when nothing matches; else a copy with every match rewritten."""
+    """`program` itself when nothing matches; else a copy with every match rewritten
+    (handed to `on_copy` first, for a rewrite that adds to the program, not only its graph)."""
     if not matches_in(program, match, fold):
         return program
     program = copy_for_rewrite(program)
+    if on_copy is not None:
+        on_copy(program)
     for found in matches_in(program, match):
         rewrite(found)
     program.graph_module.recompile()
@@ -76,6 +80,7 @@ def rewrite_judged_on_a_copy(
     match: Callable[[torch.fx.Node, Verdict], Match],
     rewrite: Callable[[Match], None],
     fold: str,
+    on_copy: Callable[[ExportedProgram], None] | None = None,
 ) -> ExportedProgram:
     """`rewrite_matches_on_a_copy` with every node judged once, on `program`: `judge`
     gives a node's verdict (None: nothing to decide), and on the copy `match(node,
@@ -92,7 +97,7 @@ def rewrite_judged_on_a_copy(
             return verdict
         return match(node, verdict)
 
-    return rewrite_matches_on_a_copy(program, judged_match, rewrite, fold)
+    return rewrite_matches_on_a_copy(program, judged_match, rewrite, fold, on_copy)
 
 
 def rewrite_each_match(

@@ -145,15 +145,22 @@ def _value_at(
     return values[node]
 
 
+def user_value_readers(program: ExportedProgram) -> set[Node]:
+    """The nodes that are, or compute from, the values of a user input (a size read,
+    `sym_size`, reads none: its value is the size alone)."""
+    kinds, found = input_kinds(program), set()
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            if kinds.get(node.name) == InputKind.USER_INPUT:
+                found.add(node)
+        elif node.target is not aten.sym_size.int and any(n in found for n in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
 def reads_user_values(node: Node, program: ExportedProgram) -> bool:
     """`node` is, or computes from, the values of a user input (not its sizes alone)."""
-    cone, kinds = value_ancestors(node), input_kinds(program)
-    return any(
-        n.op == "placeholder"
-        and kinds.get(n.name) == InputKind.USER_INPUT
-        and (n is node or not reads_sizes_only(n, cone))
-        for n in cone
-    )
+    return node in user_value_readers(program)
 
 
 def known_at_every_size(

@@ -77,6 +77,9 @@ from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import (
     delegated_op_names,
     shape_ops_as_views,
 )
+from etfold.backends.xnnpack._passes.size_only_values_as_table_slices_pass import (
+    size_only_values_as_table_slices,
+)
 from etfold.backends.xnnpack._passes.split_as_slices_pass import splits_as_slices
 from etfold.backends.xnnpack._passes.widen_half_precision_ops_pass import widen_half_precision_ops
 from etfold.backends.xnnpack.partition.bf16_delegation import bf16_applies, bf16_setting
@@ -212,6 +215,18 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
                 "ands_all_true_as_other_operand",
                 "the & with True is dropped through the expand this drops",
             ),
+        ),
+    ),
+    PreDecompositionRewrite(
+        "size_only_values_as_table_slices",
+        lambda program, _: size_only_values_as_table_slices(program),
+        # before the weight fold, whose decomposition writes the attention's mask out
+        after=(
+            _MARKS,
+            ("embeddings_of_positions_as_table_slices", "slices the table it reads, no copy"),
+            ("index_by_aranges_as_view", "a view of the mask needs no table"),
+            ("attention_masks_all_true_dropped", "a mask dropped needs no table"),
+            ("attention_masks_unexpanded", "tables the mask, not its expanded copy"),
         ),
     ),
     PreDecompositionRewrite(

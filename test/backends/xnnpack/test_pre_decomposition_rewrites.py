@@ -37,6 +37,7 @@ DECLARED = [
     "ands_all_true_as_other_operand",
     "attention_masks_all_true_dropped",
     "attention_masks_unexpanded",
+    "size_only_values_as_table_slices",
     "fold_gemm_weights",
     "safe_softmaxes_as_softmax",
     "attention_scores_in_bmm_shape",
