@@ -163,7 +163,7 @@ def test_generated_graph_sequences_get_upstreams_verdicts():
     check = passing_graphs_remembered(upstream)
     checked = []
 
-    @settings(max_examples=20, deadline=None)
+    @settings(max_examples=10, deadline=None)  # each draws up to 3 graphs, checked twice
     @given(st.lists(_graphs(), min_size=1, max_size=3))
     def sequence_of(drawn):
         for case in [*drawn, *drawn]:  # each graph again, after the others
