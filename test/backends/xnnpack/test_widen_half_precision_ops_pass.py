@@ -137,7 +137,8 @@ def test_stock_lowering_of_the_same_op_is_far_off(op, dtype, width):
     assert _error(stock.run(*inputs), expected) > 3 * _ulp_error(expected, dtype)
 
 
-@settings(max_examples=3, deadline=None)
+# derandomized, the two norms drawn are fp16 at width 256 and bf16 at 878 (a third was bf16 again)
+@settings(max_examples=2, deadline=None)
 @given(
     width=st.integers(256, 1024),
     dtype=st.sampled_from([torch.float16, torch.bfloat16]),
