@@ -44,6 +44,9 @@ from etfold.backends.xnnpack._passes.clamp_chains_as_one_pass import clamp_chain
 from etfold.backends.xnnpack._passes.contiguous_last_axis_inputs_pass import (
     read_last_axis_normalizations_contiguous,
 )
+from etfold.backends.xnnpack._passes.conv_tail_slices_as_padding_pass import (
+    conv_tail_slices_as_padding,
+)
 from etfold.backends.xnnpack._passes.elementwise_before_slices_pass import (
     delegated_elementwise_ops,
     elementwise_ops_before_slices,
@@ -304,6 +307,12 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         configs=frozenset({"slice_copy.Tensor"}),
         bf16_ops=("slice_copy.Tensor",),
         after=(("splits_as_slices", "sees a recurrent cell's gates as slices"),),
+    ),
+    PreDecompositionRewrite(
+        "conv_tail_slices_as_padding",
+        lambda program, _: conv_tail_slices_as_padding(program),
+        configs=frozenset({"constant_pad_nd.default", "convolution.default"}),
+        graph_mode_only=True,
     ),
     PreDecompositionRewrite(
         "mul_scalars_as_tensors",

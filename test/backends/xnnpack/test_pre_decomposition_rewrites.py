@@ -47,6 +47,7 @@ DECLARED = [
     "means_over_last_dim_as_pooling",
     "splits_as_slices",
     "elementwise_ops_before_slices",
+    "conv_tail_slices_as_padding",
     "mul_scalars_as_tensors",
 ]
 GRAPH_MODE_ONLY = {
@@ -56,6 +57,7 @@ GRAPH_MODE_ONLY = {
     "shape_ops_as_views",
     "layer_norms_as_delegated_ops",
     "means_over_last_dim_as_pooling",
+    "conv_tail_slices_as_padding",
 }
 
 
