@@ -10,16 +10,49 @@ expands, `scaled_dot_product_attention` its softmax guard).
 
 The decomposition uses the lowering's own table, so the pass sees what upstream
 would partition next anyway; placeholder marks that a retrace drops are carried.
+Inside `decompositions_shared()` (one lowering's rewrites), a program is decomposed
+with one table once: a pass that rewrites nothing hands on the program it was given,
+and the next pass would decompose it again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 
 import torch
 from torch.export import ExportedProgram
 
 from etfold.backends.xnnpack.partition.weight_fold import carry_placeholder_marks
+
+# (id(program), table items) -> (program, decomposed): the program is held, so its id
+# names it alone while the memo lives
+_SHARED: ContextVar[dict | None] = ContextVar("etfold_shared_decompositions", default=None)
+
+
+@contextlib.contextmanager
+def decompositions_shared() -> Iterator[None]:
+    """Within, in this context only: `decomposed_for` reuses a decomposition of the same
+    program with the same table. Each pass reads the decomposed program and rewrites a
+    copy of it, so sharing it is safe."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _decomposed(program: ExportedProgram, table: Mapping) -> ExportedProgram:
+    shared = _SHARED.get()
+    key = (id(program), frozenset(table.items()))
+    if shared is not None and key in shared:
+        return shared[key][1]
+    decomposed = program.run_decompositions(table)
+    carry_placeholder_marks(program, decomposed)
+    if shared is not None:
+        shared[key] = (program, decomposed)
+    return decomposed
 
 
 def decomposed_for(
@@ -38,6 +71,4 @@ def decomposed_for(
     )
     if next(wanted, None) is None:
         return program
-    decomposed = program.run_decompositions(table)
-    carry_placeholder_marks(program, decomposed)
-    return decomposed
+    return _decomposed(program, table)

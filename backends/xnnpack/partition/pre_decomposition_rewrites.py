@@ -47,6 +47,7 @@ from etfold.backends.xnnpack._passes.contiguous_last_axis_inputs_pass import (
 from etfold.backends.xnnpack._passes.conv_tail_slices_as_padding_pass import (
     conv_tail_slices_as_padding,
 )
+from etfold.backends.xnnpack._passes.decomposed_first import decompositions_shared
 from etfold.backends.xnnpack._passes.elementwise_before_slices_pass import (
     delegated_elementwise_ops,
     elementwise_ops_before_slices,
@@ -353,14 +354,17 @@ def run_rewrites(
     """`program` through every rewrite `partitioner` enables, in the declared order."""
     # ExecuTorch's table, built at most once per call: building it walks every composite op
     lowerings = functools.cache(lambda: dict(_default_decomposition_table().items()))
-    for rewrite in rewrites:
-        if not rewrite.enabled(partitioner):
-            continue
-        table = (
-            partitioner._decomposition_table(program, lowerings()) if rewrite.reads_table else None
-        )
-        inputs = RewriteInputs(partitioner, runs_in_bf16(rewrite, partitioner, program), table)
-        program = rewrite.run(program, inputs)
+    with decompositions_shared():
+        for rewrite in rewrites:
+            if not rewrite.enabled(partitioner):
+                continue
+            table = (
+                partitioner._decomposition_table(program, lowerings())
+                if rewrite.reads_table
+                else None
+            )
+            inputs = RewriteInputs(partitioner, runs_in_bf16(rewrite, partitioner, program), table)
+            program = rewrite.run(program, inputs)
     return program
 
 
