@@ -38,16 +38,21 @@ class LengthAxis:
     low: int
     high: int
     traced: int
+    step: int = 1  # the length is a multiple of it (whole frames of audio)
 
     def dynamic_shapes(self) -> tuple:
-        length = torch.export.Dim("length", min=self.low, max=self.high)
+        steps = torch.export.Dim("length", min=self.low // self.step, max=self.high // self.step)
+        length = steps if self.step == 1 else self.step * steps
         return tuple({axis: length for axis in axes} or None for axes in self.axes)
 
     def checked(self) -> tuple[int, ...]:
-        """The bounds and two lengths strictly between them (when there are two)."""
-        span = self.high - self.low
-        inside = {self.low + max(1, span // 3), self.low + max(1, (2 * span) // 3)}
-        return tuple(sorted({self.low, self.high} | {n for n in inside if n < self.high}))
+        """The bounds and two lengths strictly between them (when there are two), each a
+        multiple of the step."""
+        low, high = self.low // self.step, self.high // self.step
+        span = high - low
+        inside = {low + max(1, span // 3), low + max(1, (2 * span) // 3)}
+        steps = {low, high} | {n for n in inside if n < high}
+        return tuple(sorted(n * self.step for n in steps))
 
 
 @dataclass

@@ -137,10 +137,10 @@ def drop_unread(nodes: list[torch.fx.Node]) -> None:
     """Each pure op among `nodes`, and those it reads in turn, that nothing reads now
     but export's checks of its metadata (`_assert_tensor_metadata`, which go with it:
     they check what the graph already states, and no one reads the value)."""
-    stack = list(nodes)
+    stack, erased = list(nodes), set()
     while stack:
         node = stack.pop()
-        if node.op != "call_function" or node.is_impure():
+        if node in erased or node.op != "call_function" or node.is_impure():
             continue
         if any(
             user.target is not torch.ops.aten._assert_tensor_metadata.default for user in node.users
@@ -150,6 +150,7 @@ def drop_unread(nodes: list[torch.fx.Node]) -> None:
             node.graph.erase_node(check)
         stack.extend(node.all_input_nodes)
         node.graph.erase_node(node)
+        erased.add(node)
 
 
 def is_plain_tensor(value) -> bool:

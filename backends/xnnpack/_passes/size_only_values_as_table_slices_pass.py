@@ -200,8 +200,7 @@ def rewrite_tables(match: TablesMatch, program: ExportedProgram) -> None:
         with graph.inserting_before(node):
             piece = _own_slices(graph, constant, member.table, by_name)
         _attach(node, piece, member.table)
-    for member in members:
-        drop_unread([by_name[member.name]])
+    drop_unread([by_name[member.name] for member in members])
     for member in members:
         shape = "x".join(map(str, member.table.value.shape))
         form = "its additive float mask" if member.table.masking else "itself"
