@@ -324,17 +324,10 @@ def llm_rows(args, workdir: Path) -> None:
 def hf_models():
     """name -> (module, static inputs, dynamic_shapes)."""
     from torch.export import Dim
-    from transformers import BertConfig, BertModel, Wav2Vec2Config, Wav2Vec2Model
+    from transformers import BertConfig, BertModel
 
     from etfold.demo_models.mixed_precision_decoders import tiny_llama, token_ids
-
-    class LastHiddenState(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, x):
-            return self.model(x).last_hidden_state
+    from etfold.harness.sequence_models import LastHiddenState, tiny_wav2vec2
 
     torch.manual_seed(0)
     bert = BertModel(
@@ -348,18 +341,7 @@ def hf_models():
         ),
         add_pooling_layer=False,
     )
-    wav2vec2 = Wav2Vec2Model(
-        Wav2Vec2Config(
-            hidden_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=512,
-            conv_dim=(64,) * 7,
-            num_conv_pos_embeddings=16,
-            num_conv_pos_embedding_groups=4,
-            attn_implementation="sdpa",
-        )
-    )
+    wav2vec2 = tiny_wav2vec2()
     audio = torch.randn(1, 16000, generator=torch.Generator().manual_seed(1))
     return {
         "bert": (
@@ -368,7 +350,7 @@ def hf_models():
             Dim("tokens", min=8, max=128),
         ),
         "wav2vec2": (
-            LastHiddenState(wav2vec2).eval(),
+            wav2vec2,
             (audio,),
             320 * Dim("frames", min=13, max=100),
         ),

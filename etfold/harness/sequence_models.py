@@ -61,3 +61,34 @@ class PaddedAttention(torch.nn.Module):
         qkv = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(*qkv, attn_mask=self.mask(keep, b, t))
         return self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
+class LastHiddenState(torch.nn.Module):
+    """`x -> model(x).last_hidden_state`: a transformers encoder as one tensor's function."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x).last_hidden_state
+
+
+def tiny_wav2vec2(
+    hidden: int = 128, layers: int = 2, heads: int = 4, conv_channels: int = 64
+) -> torch.nn.Module:
+    """transformers' Wav2Vec2Model with random weights: 7 feature convs of `conv_channels`
+    (a frame per 320 samples), an even-kernel positional conv, SDPA attention."""
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    config = Wav2Vec2Config(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        conv_dim=(conv_channels,) * 7,
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        attn_implementation="sdpa",
+    )
+    return LastHiddenState(Wav2Vec2Model(config)).eval()

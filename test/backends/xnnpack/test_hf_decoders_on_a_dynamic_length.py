@@ -21,7 +21,7 @@ from etfold.harness.dynamic_pairs import (
     assert_dynamic_matches_eager,
     lower_xnnpack_pair,
 )
-from etfold.harness.sequence_models import token_ids
+from etfold.harness.sequence_models import tiny_wav2vec2, token_ids
 
 TOKENS = LengthAxis(((1,),), 4, 48, 16)
 # whole frames of 320 samples: torch.export proves the attention's reshapes only for those
@@ -49,29 +49,8 @@ def test_a_dynamic_llama_gets_its_static_delegates_with_one_table_sliced_outside
     assert_dynamic_matches_eager(pair)
 
 
-class LastHiddenState(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, audio):
-        return self.model(audio).last_hidden_state
-
-
 def _wav2vec2() -> torch.nn.Module:
-    from transformers import Wav2Vec2Config, Wav2Vec2Model
-
-    config = Wav2Vec2Config(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        conv_dim=(16,) * 7,
-        num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=4,
-        attn_implementation="sdpa",
-    )
-    return LastHiddenState(Wav2Vec2Model(config))
+    return tiny_wav2vec2(hidden=32, layers=1, heads=2, conv_channels=16)
 
 
 def audio(samples: int) -> tuple[torch.Tensor]:
