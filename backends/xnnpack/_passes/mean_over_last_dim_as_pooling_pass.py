@@ -7,11 +7,11 @@
 """Write a mean over the last dim as the 4-D mean XNNPACK takes (global average pooling).
 
 Given:   y = mean.dim(x, [r - 1], keepdim)          x: [s0, ..., s(r-2), C]
-Result:  p = mean.dim(view(x, [N, 1, 1, C]), [-2, -1], keepdim=True)     N = s0 * ... * s(r-2)
+Result:  p = mean.dim(view(x, [1, N, 1, C]), [-2, -1], keepdim=True)     N = s0 * ... * s(r-2)
          y = view(p, [s0, ..., s(r-2), 1] if keepdim else [s0, ..., s(r-2)])
 
 Both sides average the same C values for each of the N rows: a contiguous `x`
-laid out as rows of C is exactly `[N, 1, 1, C]`, whose last two dims hold one
+laid out as rows of C is exactly `[1, N, 1, C]`, whose last two dims hold one
 row's C values, and the mean over them is taken once per row, as before. The
 view back gives `y`'s own shape. RMSNorm's `x.pow(2).mean(-1, keepdim=True)` is
 this op; upstream's MeanDimConfig takes only 4-D inputs reduced over the last
@@ -25,9 +25,11 @@ must be static), the output's one symbolic dim on the way back. A second
 symbolic size in either view is declined, naming the dims; so is a dim whose
 bounds admit 0 (XNNPACK takes no empty tensors).
 
-With `N` first and one channel, the NCHW -> NHWC transposes XNNPACK's layout
-pass puts around the pooling move no data (a [N, 1, 1, C] tensor has the same
-bytes in both layouts).
+The rows are the pooling's channels: XNNPACK's layout pass transposes the input
+to [1, 1, C, N] (the output, [1, N, 1, 1], moves no data), and the pooling then
+runs vectorized across rows. With the rows as batch and one channel ([N, 1, 1, C],
+no transpose) it ran scalar: measured on 16 RMSNorm + linear blocks at [1, 32, 576],
+that lowering was 1.05x stock's time, this one 0.96x.
 
 Runs on the ATen program, before decomposition: `mean.dim` reaches the edge
 program as `mean.dim`.
@@ -66,7 +68,7 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class MeanOverLastDim:
     node: torch.fx.Node
-    flat_shape: tuple[int, ...]  # [N, 1, 1, C], the one symbolic size as -1
+    flat_shape: tuple[int, ...]  # [1, N, 1, C], the one symbolic size as -1
     back_shape: tuple[int, ...]  # the mean's own shape, its one symbolic size as -1
 
 
@@ -122,7 +124,7 @@ def nonempty_for_every_size(source: torch.fx.Node) -> Declined | None:
 
 def viewable(source: torch.fx.Node) -> Declined | None:
     if not known_contiguous(source.meta["val"]):
-        return Declined("input is not contiguous: the [N, 1, 1, C] view would need a copy")
+        return Declined("input is not contiguous: the [1, N, 1, C] view would need a copy")
     return None
 
 
@@ -141,11 +143,11 @@ def _one_inferred(value: torch.Tensor, shape, what: str) -> tuple[int, ...] | De
 def pooling_views(
     value: torch.Tensor, keepdim: bool
 ) -> tuple[tuple[int, ...], tuple[int, ...]] | Declined:
-    """The [N, 1, 1, C] view of `value` and the view back to its mean's shape, each
+    """The [1, N, 1, C] view of `value` and the view back to its mean's shape, each
     with at most one size left for the runtime to infer, or why they cannot be written."""
     shape = tuple(value.shape)
     rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
-    flat = _one_inferred(value, (rows, 1, 1, shape[-1]), "the [N, 1, 1, C] view")
+    flat = _one_inferred(value, (1, rows, 1, shape[-1]), "the [1, N, 1, C] view")
     if isinstance(flat, Declined):
         return flat
     back = _one_inferred(value, (*shape[:-1], 1) if keepdim else shape[:-1], "the view back")

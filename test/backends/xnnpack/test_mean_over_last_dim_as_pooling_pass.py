@@ -129,7 +129,7 @@ def _rows(length: int, width: int = 16) -> tuple[torch.Tensor]:
     ids=["rmsnorm-keepdim", "mean-no-keepdim"],
 )
 def test_a_dynamic_length_pools_like_the_static_one_at_every_bound(module, axis):
-    """The [-1, 1, 1, C] view leaves the rows to the runtime: one delegate, static or not."""
+    """The [1, -1, 1, C] view leaves the rows to the runtime: one delegate, static or not."""
     pair = lower_static_and_dynamic(module, _rows, axis, lambda: [XnnpackPartitioner()])
     assert decisions_apart(pair, lambda fold: fold == FOLD) == ({}, {})
     assert [d.applied for d in pair.dynamic.decisions if d.fold == FOLD] == [True]
