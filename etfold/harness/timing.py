@@ -6,8 +6,10 @@
 
 """Time two (or more) callables interleaved in one process, for a time budget.
 
-A round calls every callable `inner` times, one call of each in turn (the
-order alternating), and each call is timed on its own; a sample is a
+A round calls every callable `inner` times, one call of each in turn, and each
+call is timed on its own; the order of a turn cycles through every rotation of the
+names and its reverse, across rounds as within one, so no callable always runs
+right after another (one call per round included); a sample is a
 callable's median call over the round (a call preempted by another process
 does not move it). So drift (clock boost, cache state, other
 processes) hits all of them alike, within a round as across rounds. `inner`
@@ -89,14 +91,26 @@ def _calls_per_sample(runs: Mapping[str, Callable[[], object]], sample_s: float)
     return max(1, min(10_000, round(sample_s / max(slowest, 1e-9))))
 
 
-def _one_round(runs: Mapping[str, Callable[[], object]], names: list[str], inner: int):
+def call_order(names: Sequence[str], turn: int) -> list[str]:
+    """The order of the `turn`-th turn: rotation `turn` mod n of the names, reversed on
+    every other pass through the rotations: over 2n turns each name runs in each place
+    twice (for two or three names, every order comes up)."""
+    shift = turn % len(names)
+    order = [*names[shift:], *names[:shift]]
+    return order[::-1] if (turn // len(names)) % 2 else order
+
+
+def _one_round(
+    runs: Mapping[str, Callable[[], object]], names: list[str], inner: int, first_turn: int
+):
     """Each callable's median call time (seconds) over `inner` calls, the calls interleaved
-    one by one (alternating order), so every callable's sample covers the same stretch of
-    time; the median keeps a call preempted by another process from moving the sample."""
+    one by one (order from `call_order`), so every callable's sample covers the same
+    stretch of time; the median keeps a call preempted by another process from moving
+    the sample."""
     times: dict[str, list[float]] = {name: [] for name in names}
     clock = time.perf_counter
     for call in range(inner):
-        for name in names if call % 2 == 0 else reversed(names):
+        for name in call_order(names, first_turn + call):
             run = runs[name]
             start = clock()
             run()
@@ -130,7 +144,7 @@ def time_interleaved(
         rounds = 0
         while rounds < min_rounds or time.perf_counter() < deadline:
             chosen = {name: i[rounds % len(i)] for name, i in instances.items()}
-            medians = _one_round(chosen, names, inner)
+            medians = _one_round(chosen, names, inner, rounds * inner)
             for name in names:
                 samples[name].append(medians[name] * 1e3)
             rounds += 1

@@ -11,6 +11,8 @@ import json
 import re
 
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from etfold import cli, demo_models, report, report_workers
 from etfold.demo_models import all_models
@@ -150,6 +152,34 @@ def test_interleaved_timing_rotates_instances_and_pairs_every_round():
     assert set(timing.ratios) == {("a", "b")} and timing.ratios["a", "b"].samples == 6
     for spread in (*timing.milliseconds.values(), *timing.ratios.values()):
         assert spread.p10 <= spread.median <= spread.p90
+
+
+def test_call_order_gives_every_callable_every_place_with_one_call_per_round():
+    from etfold.harness.timing import time_interleaved
+
+    order = []
+    time_interleaved(
+        {name: (lambda n=name: order.append(n)) for name in "abc"},
+        budget_s=0.0,
+        min_rounds=6,
+        warmup=0,
+        sample_s=0.0,
+    )
+    timed = [tuple(order[i : i + 3]) for i in range(15, len(order), 3)]  # after the estimate
+    assert len(set(timed)) == 6  # every order of three, once each
+
+
+@given(st.integers(1, 6), st.integers(0, 50))
+def test_call_order_puts_each_name_in_each_place_twice_over_two_passes(n, start):
+    from collections import Counter
+
+    from etfold.harness.timing import call_order
+
+    names = [f"n{i}" for i in range(n)]
+    orders = [call_order(names, turn) for turn in range(start, start + 2 * n)]
+    assert all(sorted(order) == names for order in orders)
+    places = Counter((place, name) for order in orders for place, name in enumerate(order))
+    assert set(places.values()) == {2} and len(places) == n * n
 
 
 def test_stock_row_counts_upstreams_own_fold_and_the_decline_is_explained():
