@@ -66,6 +66,9 @@ from etfold.backends.xnnpack._passes.expand_as_delegated_ops_pass import (
 from etfold.backends.xnnpack._passes.index_by_aranges_as_view_pass import (
     index_by_aranges_as_view,
 )
+from etfold.backends.xnnpack._passes.last_dim_unbind_and_stack_transposed_pass import (
+    last_dim_unbinds_and_stacks_transposed,
+)
 from etfold.backends.xnnpack._passes.layer_norm_as_delegated_ops_pass import (
     DELEGATED_TARGETS,
     layer_norms_as_delegated_ops,
@@ -149,6 +152,7 @@ def _shape_ops(program: ExportedProgram, inputs: RewriteInputs) -> ExportedProgr
     return shape_ops_as_views(program, delegated, bf16=inputs.bf16)
 
 
+_ROWS_AND_TRANSPOSE = ("permute_copy.default", "cat.default", "slice_copy.Tensor")
 _MARKS = ("judged_across_methods", "reads the marks of constants other methods read or write")
 
 PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
@@ -268,12 +272,22 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         after=(("safe_softmaxes_as_softmax", "it decomposes SDPA, whose expands this sees"),),
     ),
     PreDecompositionRewrite(
+        "last_dim_unbinds_and_stacks_transposed",
+        lambda program, inputs: last_dim_unbinds_and_stacks_transposed(program, bf16=inputs.bf16),
+        configs=frozenset(_ROWS_AND_TRANSPOSE),
+        graph_mode_only=True,
+        bf16_ops=_ROWS_AND_TRANSPOSE,
+    ),
+    PreDecompositionRewrite(
         "shape_ops_as_views",
         _shape_ops,
         configs=frozenset({"view_copy.default"}),
         graph_mode_only=True,
         bf16_ops=("view_copy.default",),
-        after=(("expands_as_delegated_ops", "an unsqueeze beside an expand joins no delegate"),),
+        after=(
+            ("expands_as_delegated_ops", "an unsqueeze beside an expand joins no delegate"),
+            ("last_dim_unbinds_and_stacks_transposed", "views the rows it unsqueezes"),
+        ),
     ),
     PreDecompositionRewrite(
         "layer_norms_as_delegated_ops",
@@ -301,6 +315,7 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         lambda program, inputs: splits_as_slices(program, bf16=inputs.bf16),
         configs=frozenset({"slice_copy.Tensor"}),
         bf16_ops=("slice_copy.Tensor",),
+        after=(("last_dim_unbinds_and_stacks_transposed", "slices the rows, not the columns"),),
     ),
     PreDecompositionRewrite(
         "elementwise_ops_before_slices",

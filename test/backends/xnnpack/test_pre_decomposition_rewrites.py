@@ -42,6 +42,7 @@ DECLARED = [
     "safe_softmaxes_as_softmax",
     "attention_scores_in_bmm_shape",
     "expands_as_delegated_ops",
+    "last_dim_unbinds_and_stacks_transposed",
     "shape_ops_as_views",
     "layer_norms_as_delegated_ops",
     "means_over_last_dim_as_pooling",
@@ -54,6 +55,7 @@ GRAPH_MODE_ONLY = {
     "safe_softmaxes_as_softmax",
     "attention_scores_in_bmm_shape",
     "expands_as_delegated_ops",
+    "last_dim_unbinds_and_stacks_transposed",
     "shape_ops_as_views",
     "layer_norms_as_delegated_ops",
     "means_over_last_dim_as_pooling",
@@ -79,6 +81,8 @@ def test_the_rewrites_run_in_the_declared_order_each_after_what_it_needs():
     assert {
         ("expands_as_delegated_ops", "safe_softmaxes_as_softmax"),
         ("shape_ops_as_views", "expands_as_delegated_ops"),
+        ("shape_ops_as_views", "last_dim_unbinds_and_stacks_transposed"),
+        ("splits_as_slices", "last_dim_unbinds_and_stacks_transposed"),
         ("means_over_last_dim_as_pooling", "layer_norms_as_delegated_ops"),
     } <= needs
 
@@ -118,7 +122,15 @@ def test_the_partitioners_flags_enable_their_rewrites():
     [
         ("_softmax.default", {"safe_softmaxes_as_softmax", "attention_scores_in_bmm_shape"}),
         ("mean.dim", {"layer_norms_as_delegated_ops", "means_over_last_dim_as_pooling"}),
-        ("slice_copy.Tensor", {"splits_as_slices", "elementwise_ops_before_slices"}),
+        (
+            "slice_copy.Tensor",
+            {
+                "last_dim_unbinds_and_stacks_transposed",
+                "splits_as_slices",
+                "elementwise_ops_before_slices",
+            },
+        ),
+        ("permute_copy.default", {"last_dim_unbinds_and_stacks_transposed"}),
     ],
 )
 def test_a_rewrite_whose_configs_are_missing_is_skipped(missing, skipped):
@@ -155,9 +167,10 @@ def test_each_rewrite_is_handed_the_table_it_declares_and_its_bf16_setting(dtype
         assert same and has_table == rewrite.reads_table
         assert not bf16 or (dtype is torch.bfloat16 and rewrite.bf16_ops), rewrite.name
     in_bf16 = {name for name, *_, bf16 in seen if bf16}
-    # mul, cat, view and slice run in bf16 on XNNPACK 1.5.1; mean and sub do not
+    # mul, cat, permute, view and slice run in bf16 on XNNPACK 1.5.1; mean and sub do not
     expected = {
         "expands_as_delegated_ops",
+        "last_dim_unbinds_and_stacks_transposed",
         "shape_ops_as_views",
         "splits_as_slices",
         "elementwise_ops_before_slices",

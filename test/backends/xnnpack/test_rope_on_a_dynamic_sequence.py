@@ -54,7 +54,7 @@ def test_rotary_embedding_is_one_delegate(dynamic):
     program, decisions = _lowered(dynamic)
     assert program.delegates() == 1 and not program.ops_outside()
     assert [(d.applied, d.detail) for d in decisions] == [
-        (True, "2 slabs along dim 4 as views")
+        (True, "2 slabs along dim 3 as views")
     ] * 2
 
 
