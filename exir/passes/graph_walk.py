@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -443,6 +443,46 @@ def known_contiguous(value: torch.Tensor) -> bool:
     from torch._prims_common import is_contiguous_or_false
 
     return bool(is_contiguous_or_false(value))
+
+
+def _taken_names(
+    graph_module: torch.fx.GraphModule, exported_program: ExportedProgram | None
+) -> set[str]:
+    taken = {n.name for n in graph_module.graph.nodes}
+    taken |= {
+        str(n.target) for n in graph_module.graph.nodes if n.op in ("get_attr", "placeholder")
+    }
+    taken |= {
+        n.meta["requested_name"] for n in graph_module.graph.nodes if "requested_name" in n.meta
+    }
+    taken |= {name for name, _ in graph_module.named_parameters()} | {
+        name for name, _ in graph_module.named_buffers()
+    }
+    taken |= set(dir(graph_module))
+    if exported_program is not None:
+        taken |= set(exported_program.state_dict) | set(exported_program.constants)
+    return taken
+
+
+def fresh_constant_name(
+    graph_module: torch.fx.GraphModule,
+    exported_program: ExportedProgram | None,
+    candidates: Iterable[str],
+) -> str:
+    """The first candidate no node, attribute or program entry uses yet.
+
+    Candidates are derived from a source and an expression, so a clash means the
+    same expression already exists for another reader; the caller passes a more
+    specific candidate next. Running out is a bug, not a fold decision.
+    """
+    taken = _taken_names(graph_module, exported_program)
+    tried = []
+    for candidate in candidates:
+        name = candidate.replace(".", "_")
+        if name not in taken:
+            return name
+        tried.append(name)
+    raise RuntimeError(f"no fresh constant name among {tried}")
 
 
 def add_lifted_constant(ep: ExportedProgram, target: str, tensor: torch.Tensor) -> torch.fx.Node:

@@ -48,7 +48,6 @@ from etfold.backends.arm._passes.constants import (
     constant_tensor,
     create_constant,
     delete_constant_if_unused,
-    fresh_constant_name,
 )
 from etfold.backends.arm._passes.conv_arguments import (
     ConvArguments,
@@ -58,6 +57,7 @@ from etfold.backends.arm._passes.conv_arguments import (
 from etfold.backends.arm._passes.fake_values import ensure_fake_values
 from etfold.backends.arm._passes.layout_axes import Layout, axis_before_layout_op, layout_kind
 from etfold.decisions import Declined, record_declined
+from etfold.exir.passes.graph_walk import fresh_constant_name
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
 from etfold.exir.passes.node_shapes import rank_of
 

@@ -47,7 +47,6 @@ from etfold.backends.arm._passes.channel_vectors import channel_vector, conv_inp
 from etfold.backends.arm._passes.constants import (
     NAME_DIGEST_LENGTH,
     create_constant,
-    fresh_constant_name,
 )
 from etfold.backends.arm._passes.conv_arguments import (
     NOT_A_LAYER,
@@ -78,7 +77,7 @@ from etfold.backends.arm._passes.tosa_integer import (
     fits_int32,
 )
 from etfold.decisions import Declined
-from etfold.exir.passes.graph_walk import tensor_digest
+from etfold.exir.passes.graph_walk import fresh_constant_name, tensor_digest
 from etfold.exir.passes.node_shapes import static_shape
 
 FOLD = "arm.dyt_affine_into_conv"

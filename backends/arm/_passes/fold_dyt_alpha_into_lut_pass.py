@@ -41,7 +41,6 @@ from torch.fx import GraphModule, Node
 from etfold.backends.arm._passes.constants import (
     NAME_DIGEST_LENGTH,
     create_constant,
-    fresh_constant_name,
 )
 from etfold.backends.arm._passes.dyt_match import (
     MUL,
@@ -57,7 +56,7 @@ from etfold.backends.arm._passes.dyt_match import (
 from etfold.backends.arm._passes.npu_costs import table_stays_fused
 from etfold.backends.arm._passes.tosa_integer import Rescale, fits_int32
 from etfold.decisions import Declined
-from etfold.exir.passes.graph_walk import tensor_digest
+from etfold.exir.passes.graph_walk import fresh_constant_name, tensor_digest
 
 FOLD = "arm.dyt_alpha_into_lut"
 

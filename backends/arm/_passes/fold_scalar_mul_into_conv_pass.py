@@ -59,7 +59,6 @@ from etfold.backends.arm._passes.constants import (
     constant_tensor,
     create_constant,
     delete_constant_if_unused,
-    fresh_constant_name,
 )
 from etfold.backends.arm._passes.conv_arguments import (
     ConvArguments,
@@ -74,7 +73,7 @@ from etfold.backends.arm._passes.npu_costs import (
 from etfold.backends.arm._passes.op_families import is_inference_noop
 from etfold.backends.arm._passes.twin_layers import meet, twin_layers
 from etfold.decisions import Declined
-from etfold.exir.passes.graph_walk import tensor_digest, underlying_op
+from etfold.exir.passes.graph_walk import fresh_constant_name, tensor_digest, underlying_op
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
 from etfold.exir.passes.node_shapes import static_shape
 

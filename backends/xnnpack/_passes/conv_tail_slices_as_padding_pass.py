@@ -36,6 +36,7 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 from etfold.backends.xnnpack._passes.delegated_floats import dtype_taken, not_quantized
+from etfold.backends.xnnpack._passes.dynamic_slices import slice_arguments
 from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.graph_walk import drop_unread
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
@@ -96,11 +97,9 @@ def _tail(cut: Node) -> tuple[Node, int, int] | None:
     conv = cut.args[0]
     if not _is_plain_conv(conv):  # conv1d.padding ("same") and transposed convs left out
         return None
-    given = tuple(cut.args[1:]) + (0, None, None, 1)[len(cut.args) - 1 :]
-    dim, start, _, step = given[:4]
-    rank = node_value(conv).dim()
-    dim %= rank
-    if start not in (0, None) or step != 1 or dim < 2:
+    dim, start, _, step = slice_arguments(cut)
+    dim %= node_value(conv).dim()
+    if type(start) is not int or start != 0 or step != 1 or dim < 2:
         return None
     dropped = _known_difference(node_value(conv).shape[dim], node_value(cut).shape[dim])
     if not dropped:  # unknown, or nothing dropped

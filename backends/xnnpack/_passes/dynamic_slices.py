@@ -22,6 +22,8 @@ bounds change with the input.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from etfold.decisions import Declined
@@ -55,15 +57,28 @@ def slice_resizes_at_runtime(
     return None
 
 
+class SliceArguments(NamedTuple):
+    dim: int
+    start: object  # an int, or a symbolic size
+    end: object  # None: to the end of the dim
+    step: int
+
+
+def slice_arguments(node: torch.fx.Node) -> SliceArguments:
+    """A `slice(x, dim=0, start=None, end=None, step=1)` node's arguments, the schema's
+    defaults filled in and a missing start read as 0."""
+    given, defaults = tuple(node.args[1:]), (0, None, None, 1)
+    dim, start, end, step = given + defaults[len(given) :]
+    return SliceArguments(dim, 0 if start is None else start, end, step)
+
+
 def dynamic_slice_declined(node: torch.fx.Node) -> Declined | None:
     """`slice_resizes_at_runtime` for a `slice(x, dim, start, end, step)` node (step 1)."""
     source, out = node.args[0].meta.get("val"), node.meta.get("val")
     if not isinstance(source, torch.Tensor) or not isinstance(out, torch.Tensor):
         return Declined("no tensor metadata on the slice or its input")
-    given, defaults = tuple(node.args[1:]), (0, None, None, 1)
-    dim, start, end, step = given + defaults[len(given) :]
+    dim, start, end, step = slice_arguments(node)
     if step != 1:
         return Declined(f"step {step}: XNNPACK slices with step 1")
-    start = 0 if start is None else start
     end = source.shape[dim] if end is None else end
     return slice_resizes_at_runtime(source, out, dim, start, end)

@@ -32,6 +32,7 @@ node of the program gives.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,12 @@ from torch.fx import Node
 from etfold.backends.xnnpack._passes.attention_mask_unexpanded_pass import MASK_AT
 from etfold.backends.xnnpack._passes.size_only_tables import Table, judge_table, tabled_values
 from etfold.decisions import Declined, record_applied
-from etfold.exir.passes.graph_walk import add_lifted_constant, drop_unread, state_facts
+from etfold.exir.passes.graph_walk import (
+    add_lifted_constant,
+    drop_unread,
+    fresh_constant_name,
+    state_facts,
+)
 from etfold.exir.passes.node_rewrite_driver import rewrite_judged_on_a_copy
 from etfold.exir.passes.node_shapes import node_value
 
@@ -105,13 +111,11 @@ def group_tables(verdicts: dict[str, Table]) -> dict[str, Tables]:
     }
 
 
-def _fresh_name(program: ExportedProgram, stem: str) -> str:
-    taken = set(program.constants) | set(program.state_dict) | {n.name for n in program.graph.nodes}
-    name, count = stem, 0
-    while name in taken:
-        count += 1
-        name = f"{stem}_{count}"
-    return name
+def _table_name(program: ExportedProgram, reader: str) -> str:
+    numbered = (f"{reader}_table_{count}" for count in itertools.count(1))
+    return fresh_constant_name(
+        program.graph_module, program, [f"{reader}_table", *itertools.islice(numbered, 99)]
+    )
 
 
 def _call(graph, target, args: tuple, value) -> Node:
@@ -181,7 +185,7 @@ def rewrite_tables(match: TablesMatch, program: ExportedProgram) -> None:
         rows = [
             m.table.value.reshape(m.table.value.shape[m.table.lengths[0][0]], -1) for m in packed
         ]
-        name = _fresh_name(program, f"{match.leader.name}_table")
+        name = _table_name(program, match.leader.name)
         constant = add_lifted_constant(program, name, with_spare(torch.cat(rows, 1), (0, 1)))
         with graph.inserting_before(match.leader):
             sliced = _slice(graph, constant, 0, 0, by_name[packed[0].table.lengths[0][1]])
@@ -195,7 +199,7 @@ def rewrite_tables(match: TablesMatch, program: ExportedProgram) -> None:
     for member in (m for m in members if not m.rows):
         node = by_name[member.name]
         dims = [dim for dim, _ in member.table.lengths]
-        name = _fresh_name(program, f"{node.name}_table")
+        name = _table_name(program, node.name)
         constant = add_lifted_constant(program, name, with_spare(member.table.value, dims))
         with graph.inserting_before(node):
             piece = _own_slices(graph, constant, member.table, by_name)
