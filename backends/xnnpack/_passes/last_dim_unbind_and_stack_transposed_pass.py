@@ -139,6 +139,8 @@ def match_stack(node: torch.fx.Node, dtypes: Collection[torch.dtype]):
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     if rank < 1 or dim % (rank + 1) != rank:
         return None
+    if not isinstance(node.meta.get("val"), torch.Tensor):
+        return Declined("no tensor metadata on the stack")
     declined = first_declined(
         lambda: rank_held(rank + 1, "output"),
         lambda: _runs_of_one(node.meta["val"]),
