@@ -4,13 +4,14 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""Constants in the two forms a pass sees: read, name, create and delete them.
+"""Constants in the two forms a pass sees: read, create and delete them.
 
 A pass sees constants in one of two forms: a placeholder of an ExportedProgram
 (backend pipeline: parameter, buffer or lifted constant) or a `get_attr` of a
 bare GraphModule (annotation pipeline, where the module's tensors are the
 user's own). These helpers read, create and delete constants in either form,
-and never write into an existing tensor.
+and never write into an existing tensor. A new constant's name comes from
+`graph_walk.fresh_constant_name`, which the XNNPACK passes share.
 """
 
 from __future__ import annotations
