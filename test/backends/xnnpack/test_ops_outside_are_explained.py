@@ -32,13 +32,15 @@ def _same_build(build) -> tuple:
 
 # The llama decoder in bf16 in `make test` (the row other files of the group read too);
 # in `make test-long`: its fp16 row, both gemma3 rows, the autocast block (the autocast
-# decoder's row covers its regions) and the weight_norm vocoder (wav2vec2_pos_conv's row
-# folds weight_norm convs, test_fuzz_weight_fold transposed ones).
+# decoder's row covers its regions), the explicit bf16 decoder (the llama row is an
+# explicit bf16 decoder too) and the weight_norm vocoder (wav2vec2_pos_conv's row folds
+# weight_norm convs, test_fuzz_weight_fold transposed ones).
 LONG_ROWS = {
     "gemma3_tiny_bf16",
     "gemma3_tiny_fp16",
     "llama_tiny_fp16",
     "decoder_block_autocast_bf16",
+    "decoder_explicit_bf16",
     "speecht5_hifigan_small",
 }
 
