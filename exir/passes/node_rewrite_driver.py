@@ -62,16 +62,46 @@ def rewrite_matches_on_a_copy(
     on_copy: Callable[[ExportedProgram], None] | None = None,
 ) -> ExportedProgram:
     """`program` itself when nothing matches; else a copy with every match rewritten
-    (handed to `on_copy` first, for a rewrite that adds to the program, not only its graph)."""
+    (handed to `on_copy` first, for a rewrite that adds to the program, not only its graph).
+    Raises `SizeFixedByRewrite` when matching or rewriting fixed a symbolic size."""
+    fixed = fixed_sizes(program)
     if not matches_in(program, match, fold):
+        _check_sizes_kept(program, fixed, fold)
         return program
-    program = copy_for_rewrite(program)
+    copied = copy_for_rewrite(program)
     if on_copy is not None:
-        on_copy(program)
-    for found in matches_in(program, match):
+        on_copy(copied)
+    for found in matches_in(copied, match):
         rewrite(found)
-    program.graph_module.recompile()
-    return program
+    copied.graph_module.recompile()
+    _check_sizes_kept(copied, fixed, fold)
+    return copied
+
+
+class SizeFixedByRewrite(RuntimeError):
+    """A pass fixed a symbolic size of a dynamic program at a number: the program would
+    be retraced at that size and run at no other. A bug in the pass, never a decision."""
+
+
+def fixed_sizes(program: ExportedProgram) -> dict[str, object]:
+    """The symbolic sizes the program's shape environment has fixed at a number."""
+    from torch._guards import detect_fake_mode
+
+    values = [n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"]
+    shape_env = getattr(detect_fake_mode(values), "shape_env", None)
+    if shape_env is None:
+        return {}
+    return {str(s): v for s, v in shape_env.replacements.items() if v.is_number}
+
+
+def _check_sizes_kept(program: ExportedProgram, before: dict[str, object], fold: str) -> None:
+    # running an op's meta function on a fake value can install such a replacement silently
+    # (permute_copy, constant_pad_nd): the retrace in decomposition then specializes the
+    # whole program, which fails at runtime at any other size
+    fixed = {name: value for name, value in fixed_sizes(program).items() if name not in before}
+    if fixed:
+        sizes = ", ".join(f"{name} = {value}" for name, value in fixed.items())
+        raise SizeFixedByRewrite(f"{fold} fixed the symbolic sizes {sizes} of a dynamic program")
 
 
 def rewrite_judged_on_a_copy(
@@ -84,10 +114,13 @@ def rewrite_judged_on_a_copy(
 ) -> ExportedProgram:
     """`rewrite_matches_on_a_copy` with every node judged once, on `program`: `judge`
     gives a node's verdict (None: nothing to decide), and on the copy `match(node,
-    verdict)` builds the match of the node named as the one judged."""
+    verdict)` builds the match of the node named as the one judged. Judging is checked
+    for fixed sizes as matching and rewriting are."""
+    fixed = fixed_sizes(program)
     judged = {
         node.name: verdict for node in program.graph.nodes if (verdict := judge(node)) is not None
     }
+    _check_sizes_kept(program, fixed, fold)
     if not judged:
         return program
 

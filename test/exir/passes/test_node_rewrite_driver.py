@@ -123,3 +123,52 @@ def test_nothing_judged_returns_the_program_itself():
     with collect_decisions() as decisions:
         assert rewrite_judged_on_a_copy(program, lambda n: None, None, None, "test.fold") is program
     assert not decisions
+
+
+class Doubled(torch.nn.Module):
+    def forward(self, x):
+        return x * 2.0
+
+
+def _dynamic_doubled():
+    rows = torch.export.Dim("rows", min=2, max=16)
+    return torch.export.export(Doubled(), (torch.randn(4, 3),), dynamic_shapes=({0: rows},))
+
+
+def _transposing(value_of):
+    """A rewrite that gives the multiply a transposed fake value, built by `value_of`."""
+
+    def rewrite(node):
+        node.meta["val"] = value_of(node.meta["val"])
+
+    return rewrite
+
+
+def _the_multiply(node):
+    return node if node.target is torch.ops.aten.mul.Tensor else None
+
+
+def test_a_rewrite_that_fixes_a_symbolic_size_is_an_error_naming_the_pass():
+    import pytest
+
+    from etfold.exir.passes.node_rewrite_driver import (
+        SizeFixedByRewrite,
+        fixed_sizes,
+        rewrite_matches_on_a_copy,
+    )
+
+    program = _dynamic_doubled()
+    assert fixed_sizes(program) == {}
+    # a meta function run on a fake value fixes the rows at their traced 4
+    by_copy = _transposing(lambda v: torch.ops.aten.permute_copy.default(v, [1, 0]))
+    with pytest.raises(SizeFixedByRewrite, match=r"test\.fold fixed the symbolic sizes s\d+ = 4"):
+        rewrite_matches_on_a_copy(program, _the_multiply, by_copy, "test.fold")
+
+
+def test_a_rewrite_that_keeps_the_sizes_symbolic_passes():
+    from etfold.exir.passes.node_rewrite_driver import fixed_sizes, rewrite_matches_on_a_copy
+
+    program = _dynamic_doubled()
+    by_view = _transposing(lambda v: v.permute(1, 0).contiguous())
+    rewritten = rewrite_matches_on_a_copy(program, _the_multiply, by_view, "test.fold")
+    assert rewritten is not program and fixed_sizes(rewritten) == {}
