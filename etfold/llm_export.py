@@ -11,8 +11,12 @@ XNNPACK partitioners, `get_xnnpack_partitioner(dynamic_quant_only_partitioner,
 enable_bf16)`, looked up by that name in its own module; neither the command line nor
 `LlmConfig` can choose another. Inside `etfold_partitioners()` that name answers with
 etfold's partitioners for the same arguments (`XnnpackDynamicallyQuantizedPartitioner`
-for the quantized linears, `XnnpackPartitioner` for `--xnnpack-extended-ops`), and the
-lowering runs with etfold's speed-ups (same bytes, less work).
+for the quantized linears, `XnnpackPartitioner` for `--xnnpack-extended-ops`).
+
+The speed-ups (same bytes, less work) are entered only around the pipeline's lowering
+calls (`LOWERING_CALLS`: `to_edge_transform_and_lower` as the pipeline names it,
+`to_backend`, `to_executorch`), never around its export, source transforms or
+quantization: torch.export and dynamo trace the model on stock torch, as without etfold.
 
 The pipeline asks for the two in that order and lowers with both, one after the other.
 Run so, the first takes the linears alone and the second cannot join what it takes to
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
 import inspect
 from collections.abc import Iterator, Sequence
@@ -42,6 +47,15 @@ from etfold.exir.program.reentrant_patch import PatchUnavailable, ReentrantPatch
 
 EXPORT_LLAMA_LIB = "executorch.examples.models.llama.export_llama_lib"
 PARTITIONER_FACTORY = "get_xnnpack_partitioner"
+LLM_BUILDER = "executorch.extension.llm.export.builder"
+# (module, attribute path) of each call that lowers an exported program in the pipeline;
+# the export (`LLMEdgeManager._export`) runs before and outside each of them
+LOWERING_CALLS = (
+    (LLM_BUILDER, "to_edge_transform_and_lower"),
+    (EXPORT_LLAMA_LIB, "to_edge_transform_and_lower"),
+    (LLM_BUILDER, "LLMEdgeManager.to_backend"),
+    (LLM_BUILDER, "LLMEdgeManager.to_executorch"),
+)
 
 
 # the quantized-linear partitioner this context answered last, until a general one follows
@@ -85,13 +99,36 @@ def _checked_factory(pipeline) -> None:
         )
 
 
+def _sped_up(lowering):
+    """`lowering`, each call inside etfold's lowering speed-ups."""
+    from etfold.harness.lowering_speedups import lowering_speedups
+
+    @functools.wraps(lowering)
+    def call(*args, **kwargs):
+        with lowering_speedups():
+            return lowering(*args, **kwargs)
+
+    return call
+
+
+def _lowering_call(module: str, path: str) -> Replacement:
+    owner = importlib.import_module(module)
+    *owners, attribute = path.split(".")
+    for name in owners:
+        owner = getattr(owner, name, None)
+    if owner is None:
+        raise PatchUnavailable(f"{module}.{path} is gone")
+    return Replacement(owner, attribute, _sped_up)
+
+
 def _replacements() -> list[Replacement]:
     try:
         pipeline = importlib.import_module(EXPORT_LLAMA_LIB)
     except ImportError as error:
         raise PatchUnavailable(f"ExecuTorch's LLM export does not import: {error}") from None
     _checked_factory(pipeline)
-    return [Replacement(pipeline, PARTITIONER_FACTORY, lambda _: etfold_xnnpack_partitioner)]
+    factory = Replacement(pipeline, PARTITIONER_FACTORY, lambda _: etfold_xnnpack_partitioner)
+    return [factory, *(_lowering_call(module, path) for module, path in LOWERING_CALLS)]
 
 
 PATCH = ReentrantPatch("llm_export_partitioners", _replacements)
@@ -100,12 +137,10 @@ PATCH = ReentrantPatch("llm_export_partitioners", _replacements)
 @contextlib.contextmanager
 def etfold_partitioners() -> Iterator[None]:
     """While entered, in this context, ExecuTorch's LLM export lowers with etfold's
-    XNNPACK partitioners (and etfold's lowering speed-ups)."""
-    from etfold.harness.lowering_speedups import lowering_speedups
-
+    XNNPACK partitioners, and each of its lowering calls with etfold's speed-ups."""
     token = _ASKED_FIRST.set(None)
     try:
-        with PATCH.scope(), lowering_speedups():
+        with PATCH.scope():
             yield
     finally:
         _ASKED_FIRST.reset(token)

@@ -18,6 +18,12 @@ jobs, each in its own module:
 - the upstream attributes these replace, and their one restore
   (`upstream_patches.py`), after upstream's shape is checked
   (`upstream_arm.py`, `ArmRegistrationError` when anything moved).
+
+Why registration is process-wide: the quantizer's annotation hook and the pass
+manager that runs the folds are reached from the user's own `prepare_pt2e` and
+`to_edge_transform_and_lower` calls, which etfold does not wrap, so the user says how
+long it lasts: `with register_arm_folds(): ...` for one block, or until
+`unregister_arm_folds()`.
 """
 
 from __future__ import annotations

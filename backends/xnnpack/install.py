@@ -23,6 +23,11 @@ program (at the latest when the garbage collector takes it: the graph holds
 reference cycles), and at once when the lowering went through etfold's
 `to_edge_transform_and_lower`, whose scope closes the ledgers opened during it.
 When the last hold goes, upstream is restored exactly. Nothing happens at import.
+
+Why the install is process-wide while held: upstream finds the preprocess by class
+and the visitor by target, one value for every thread. Neither acts on anyone else's
+program: the wrapper hands every unmarked program to upstream's preprocess unchanged,
+and the visitor's target occurs only in delegates etfold's partitioner marked.
 """
 
 from __future__ import annotations

@@ -6,15 +6,17 @@
 
 """Any lowering, upstream's entry point included, without the work torch and XNNPACK repeat.
 
-`etfold report` lowers every model twice (stock and etfold) and enters
-`lowering_speedups()` around all of it, as etfold's entry point does around its
-own call: torch skips repeated lookups and builds no Python code nobody runs
-(`torch_speedups`), and upstream's XNNPACK passes build their match patterns
-only for a graph holding their op (`patterns_on_demand`, registered by
-`etfold.backends.xnnpack`). Programs come out byte for byte as without it, so a
-stock row stays stock; the report times the runtime, never the lowering. The
-patches act in this thread only, and torch and ExecuTorch are as they were on
-exit. `enabled` and `ETFOLD_SPEEDUPS` switch them as for the entry point.
+The harness's lowering calls (`xnnpack_runner.lower_xnnpack`, `tosa_runner.lower_tosa`,
+`vela.lower_ethos_u`) and ExecuTorch's LLM export through `etfold.llm_export` enter
+`lowering_speedups()` around each lowering call, as etfold's entry point does around
+its own: torch skips repeated lookups and builds no Python code nobody runs
+(`torch_speedups`), and upstream's XNNPACK passes build their match patterns only for
+a graph holding their op (`patterns_on_demand`, registered by `etfold.backends.xnnpack`).
+Never around an export, a quantizer or a calibration: torch.export and dynamo trace on
+stock torch. Programs come out byte for byte as without it, so a stock row of
+`etfold report` stays stock; the report times the runtime, never the lowering. The
+patches act in this context only, and torch and ExecuTorch are as they were on exit.
+`enabled` and `ETFOLD_SPEEDUPS` switch them as for the entry point.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from etfold.harness.inspection import (
     tosa_operator_counts,
     tosa_unsized_inputs,
 )
+from etfold.harness.lowering_speedups import lowering_speedups
 from etfold.harness.modules import in_eval_mode
 from etfold.harness.xnnpack_runner import max_abs_error
 
@@ -311,9 +312,12 @@ def lower_tosa(
 ) -> TosaProgram:
     from executorch.backends.arm.tosa.partitioner import TOSAPartitioner
 
-    edge = lower(
-        program, partitioner=[TOSAPartitioner(compile_spec(profile))], compile_config=compile_config
-    )
+    with lowering_speedups():
+        edge = lower(
+            program,
+            partitioner=[TOSAPartitioner(compile_spec(profile))],
+            compile_config=compile_config,
+        )
     return TosaProgram(edge, profile)
 
 

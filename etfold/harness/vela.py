@@ -37,6 +37,7 @@ from executorch.exir import to_edge_transform_and_lower as upstream_to_edge_tran
 from torch.export import ExportedProgram
 
 from etfold.harness.inspection import lowered_modules, tosa_operator_counts
+from etfold.harness.lowering_speedups import lowering_speedups
 from etfold.harness.modules import in_eval_mode
 
 U55 = "ethos-u55-128"
@@ -232,7 +233,7 @@ def lower_ethos_u(
     from executorch.backends.arm.ethosu import EthosUPartitioner
 
     partitioner = EthosUPartitioner(ethos_u_compile_spec(target))
-    with _estimates_collected() as estimates:
+    with _estimates_collected() as estimates, lowering_speedups():
         edge = lower(copy.deepcopy(program), partitioner=[partitioner])
     return EthosUProgram(edge, target, list(estimates))
 

@@ -26,6 +26,7 @@ from etfold.harness.inspection import (
     ops_outside_delegates,
     ops_outside_reading_no_user_input,
 )
+from etfold.harness.lowering_speedups import lowering_speedups
 from etfold.harness.modules import in_eval_mode
 
 Programs = ExportedProgram | Mapping[str, ExportedProgram]
@@ -108,21 +109,24 @@ def lower_xnnpack(
     compile_config=None,
     executorch_config=None,
 ) -> XnnpackProgram:
-    """`lower(programs, partitioner=…)` → `to_executorch` → runtime module."""
-    edge = lower(
-        programs if isinstance(programs, ExportedProgram) else dict(programs),
-        partitioner=list(partitioners) if partitioners is not None else default_partitioners(),
-        compile_config=compile_config,
-    )
+    """`lower(programs, partitioner=…)` → `to_executorch` → runtime module; the two
+    lowering calls run with etfold's lowering speed-ups (`lowering_speedups`)."""
+    with lowering_speedups():
+        edge = lower(
+            programs if isinstance(programs, ExportedProgram) else dict(programs),
+            partitioner=list(partitioners) if partitioners is not None else default_partitioners(),
+            compile_config=compile_config,
+        )
     methods = edge.methods
     delegates = {m: delegate_count(edge.exported_program(m)) for m in methods}
     ops_outside = {m: ops_outside_delegates(edge.exported_program(m)) for m in methods}
     constant_work = {
         m: ops_outside_reading_no_user_input(edge.exported_program(m)) for m in methods
     }
-    executorch = (
-        edge.to_executorch(executorch_config) if executorch_config else edge.to_executorch()
-    )
+    with lowering_speedups():
+        executorch = (
+            edge.to_executorch(executorch_config) if executorch_config else edge.to_executorch()
+        )
     return XnnpackProgram(
         edge, executorch, load_program(executorch), delegates, ops_outside, constant_work
     )

@@ -16,6 +16,13 @@ while one thread lowers, runs stock torch.
 Every replacement is built from the original it stands in for (`Replacement`)
 and restored from the one record written at install; when an attribute is not
 there, the patch refuses with `PatchUnavailable` before touching anything.
+
+Why the swap itself is process-wide: a module or class attribute has one value for
+every thread, and torch calls these functions through that attribute, so no
+narrower install exists. The gate is what narrows it: while installed, the
+attribute's value in any other context is a call straight to the original, with the
+same arguments. Callers keep each scope to the one call that needs it (a lowering,
+never an export or a quantizer).
 """
 
 from __future__ import annotations

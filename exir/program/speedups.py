@@ -152,6 +152,16 @@ def registered_speedups() -> tuple[ReentrantPatch, ...]:
     return tuple(_registered)
 
 
+def every_speedup() -> tuple[ReentrantPatch, ...]:
+    """Torch's patches, those backends registered, and lazy graph modules."""
+    return (*TORCH_PATCHES, *_registered, LAZY_GRAPH_MODULES)
+
+
+def active_speedups() -> list[str]:
+    """The names of the speed-ups acting in this context (none outside a lowering)."""
+    return [patch.name for patch in every_speedup() if patch.active()]
+
+
 @contextlib.contextmanager
 def torch_speedups(enabled: bool | None = None) -> Iterator[None]:
     """Torch's own lowering work, minus repeats: one composite-op lookup per walk, one kernel
@@ -162,8 +172,7 @@ def torch_speedups(enabled: bool | None = None) -> Iterator[None]:
 
     Programs come out byte-identical; torch is as it was once the scope exits.
     """
-    patches = (*TORCH_PATCHES, *_registered, LAZY_GRAPH_MODULES)
-    with patches_if_sound(patches, enabled) as on:
+    with patches_if_sound(every_speedup(), enabled) as on:
         if not on:
             yield
             return

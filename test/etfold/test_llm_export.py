@@ -25,6 +25,7 @@ from executorch.backends.xnnpack.partition import xnnpack_partitioner as upstrea
 
 from etfold.backends.xnnpack import XnnpackDynamicallyQuantizedPartitioner, XnnpackPartitioner
 from etfold.exir.program.reentrant_patch import PatchUnavailable
+from etfold.exir.program.speedups import active_speedups, every_speedup
 from etfold.harness.llama_export import (
     TINY,
     export_etfold,
@@ -35,7 +36,12 @@ from etfold.harness.llama_export import (
     pte_contents,
     write_model_files,
 )
-from etfold.llm_export import EXPORT_LLAMA_LIB, PARTITIONER_FACTORY, etfold_partitioners
+from etfold.llm_export import (
+    EXPORT_LLAMA_LIB,
+    LLM_BUILDER,
+    PARTITIONER_FACTORY,
+    etfold_partitioners,
+)
 
 PROMPT = torch.randint(0, TINY.vocab_size, (1, 8), generator=torch.Generator().manual_seed(3))
 NEXT_TOKEN = 17
@@ -137,6 +143,38 @@ def test_declines_a_partitioner_factory_that_takes_other_arguments(pipeline, mon
     with pytest.raises(PatchUnavailable, match="enable_fp16"), etfold_partitioners():
         pass
     assert vars(pipeline)[PARTITIONER_FACTORY] is other_factory
+
+
+def test_the_pipeline_exports_on_stock_torch_and_lowers_with_the_speedups(pipeline, monkeypatch):
+    """Inside the scope, the pipeline's torch.export calls (dynamo tracing the model, then
+    its pre-autograd graph again) see none of etfold's speed-ups; its lowering calls see
+    all of them."""
+    monkeypatch.setenv("ETFOLD_SPEEDUPS", "1")
+    builder = importlib.import_module(LLM_BUILDER)
+    seen: dict[str, list] = {"export": [], "lower": [], "to_executorch": []}
+
+    def spy(name, function):
+        def call(*args, **kwargs):
+            seen[name].append(active_speedups())
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(builder, "export", spy("export", builder.export))
+    lower = spy("lower", builder.to_edge_transform_and_lower)
+    monkeypatch.setattr(builder, "to_edge_transform_and_lower", lower)
+    to_executorch = builder.EdgeProgramManager.to_executorch
+    monkeypatch.setattr(
+        builder.EdgeProgramManager, "to_executorch", spy("to_executorch", to_executorch)
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.SiLU()).eval()
+    with etfold_partitioners():
+        partitioner = pipeline.get_xnnpack_partitioner(False)
+        manager = builder.LLMEdgeManager(model, "tiny", 8, False, (torch.randn(2, 8),))
+        manager.export().to_edge_transform_and_lower([partitioner]).to_executorch()
+    everything = [patch.name for patch in every_speedup()]
+    assert seen == {"export": [[], []], "lower": [everything], "to_executorch": [everything]}
+    assert active_speedups() == []
 
 
 @pytest.fixture(scope="module")
