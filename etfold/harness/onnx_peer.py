@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import statistics
 import sys
@@ -169,11 +170,22 @@ def export_to_ort(program, threads: int = 1) -> OrtProgram:
 
 @dataclass(frozen=True)
 class OpProfile:
-    """Milliseconds per run by op (medians over the profiled runs), and the whole run's."""
+    """Milliseconds per run by op (`typical` of each node or event over the profiled runs),
+    the whole run's, and how many kernels a run calls."""
 
     by_op: dict[str, float]
     total_ms: float
     runs: int
+    calls: int = 0  # kernels called per run
+
+
+def typical(values: Sequence[float]) -> float:
+    """The mean of the values once the slowest tenth is left out: a profiler's ticks are
+    whole microseconds, so a sub-microsecond op reads 0 most runs and 1 some (a median
+    says 0); a run preempted by another process is among the slowest and left out."""
+    ordered = sorted(values)
+    kept = ordered[: max(1, len(ordered) - math.ceil(len(ordered) / 10))]
+    return sum(kept) / len(kept)
 
 
 def ort_op_profile(
@@ -198,8 +210,7 @@ def profile_from_events(events: Sequence[dict], skip_runs: int) -> OpProfile:
 
     A run is a `model_run` event; a kernel is a `Node` event whose name ends in
     `_kernel_time` and starts within a kept run (times are in microseconds). Each
-    node counts with its median over the kept runs, so a run preempted by another
-    process does not move it.
+    node counts with its `typical` time over the kept runs.
     """
     runs = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")
     runs = runs[skip_runs:]
@@ -212,9 +223,9 @@ def profile_from_events(events: Sequence[dict], skip_runs: int) -> OpProfile:
             per_node.setdefault(key, []).append(e["dur"])
     by_op: Counter[str] = Counter()
     for (_, op), durations in per_node.items():
-        by_op[op] += statistics.median(durations) * 1e-3
+        by_op[op] += typical(durations) * 1e-3
     total = statistics.median(end - begin for begin, end in runs) * 1e-3
-    return OpProfile(dict(by_op), total, len(runs))
+    return OpProfile(dict(by_op), total, len(runs), len(per_node))
 
 
 def _is_kernel(event: dict) -> bool:

@@ -10,7 +10,8 @@ and the gap between the two by kind of work.
 ExecuTorch: the program is loaded with `enable_etdump=True` and run; the Inspector's
 events give each XNNPACK operator inside a delegate (`Fully Connected (NC, F32) GEMM
 #3`: the delegate's own per-operator profile), each kernel outside delegates
-(`native_call_<op>`). Each event counts with its median over the profiled runs.
+(`native_call_<op>`). Each event counts with its typical time over the profiled runs
+(`onnx_peer.typical`).
 
 Both profilers cost time of their own between kernels (ORT's most of a run on a
 small model), so what a runtime spends outside its kernels, `runtime overhead`
@@ -35,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from etfold.harness.onnx_peer import OpProfile
+from etfold.harness.onnx_peer import OpProfile, typical
 
 OUTSIDE = "ops outside delegates"
 RUNTIME_OVERHEAD = "runtime overhead"
@@ -49,18 +50,19 @@ class Kind:
     by_rewrite: bool  # whether a graph rewrite can remove this kind of time
 
 
-# first match wins: "batch matrix multiply" before "multiply"
+# first match wins: "Convolution (NHWC, F32) IGEMM" is a convolution, "batch matrix
+# multiply" a matmul, not an elementwise multiply
 KINDS = (
-    Kind(
-        "matmul / linear",
-        ("fully connected", "matrix multiply", "gemm"),
-        ("MatMul", "Gemm", "FusedMatMul", "FusedGemm", "MatMulNBits", "MatMulInteger"),
-        False,
-    ),
     Kind(
         "convolution",
         ("convolution", "deconvolution"),
         ("Conv", "FusedConv", "ConvTranspose", "NhwcConv"),
+        False,
+    ),
+    Kind(
+        "matmul / linear",
+        ("fully connected", "matrix multiply", "gemm"),
+        ("MatMul", "Gemm", "FusedMatMul", "FusedGemm", "MatMulNBits", "MatMulInteger"),
         False,
     ),
     Kind(
@@ -121,6 +123,8 @@ KINDS = (
             "Tile",
             "Cast",
             "Flatten",
+            "ReorderInput",
+            "ReorderOutput",
         ),
         True,
     ),
@@ -227,8 +231,8 @@ def etdump_op_profile(
     buffer: bytes, inputs: Sequence, runs: int = 20, warmup: int = 3
 ) -> OpProfile:
     """Milliseconds per run of each XNNPACK operator (instances summed) and each kernel
-    outside delegates, each event counted with its median over `runs` calls after
-    `warmup`, on a fresh load."""
+    outside delegates, each event counted with its `typical` time over `runs` calls
+    after `warmup`, on a fresh load; `calls` counts the events of one run."""
     from executorch.devtools import Inspector
     from executorch.runtime import Runtime
 
@@ -241,17 +245,18 @@ def etdump_op_profile(
         program.write_etdump_result_to_file(str(etdump), str(Path(folder) / "debug.bin"))
         inspector = Inspector(etdump_path=str(etdump))
     by_op: Counter[str] = Counter()
-    total = 0.0
+    total, calls = 0.0, 0
     for block in inspector.event_blocks:
         for event in block.events if block.name == "Execute" else ():
             if event.perf_data is None:
                 continue
-            median = statistics.median(event.perf_data.raw[warmup : warmup + runs])
+            kept = event.perf_data.raw[warmup : warmup + runs]
             if event.name == "Method::execute":
-                total += median
+                total += statistics.median(kept)
             elif event.name not in _CALLS:
-                by_op[_INSTANCE.sub("", event.name)] += median
-    return OpProfile(dict(by_op), total, runs)
+                by_op[_INSTANCE.sub("", event.name)] += typical(kept)
+                calls += 1
+    return OpProfile(dict(by_op), total, runs, calls)
 
 
 _CALLS = ("DELEGATE_CALL", "OPERATOR_CALL")  # around the ops: their time is the ops' plus overhead
@@ -280,7 +285,8 @@ def with_runtime_overhead(profile: OpProfile, timed_ms: float) -> OpProfile:
     """The profile with `runtime overhead`: an unprofiled timing's median minus the profiled
     ops (never below zero)."""
     overhead = max(0.0, timed_ms - sum(profile.by_op.values()))
-    return OpProfile({**profile.by_op, RUNTIME_OVERHEAD: overhead}, timed_ms, profile.runs)
+    by_op = {**profile.by_op, RUNTIME_OVERHEAD: overhead}
+    return OpProfile(by_op, timed_ms, profile.runs, profile.calls)
 
 
 def gaps_by_kind(executorch: OpProfile, ort: OpProfile) -> list[KindGap]:
