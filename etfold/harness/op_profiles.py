@@ -50,19 +50,15 @@ class Kind:
     by_rewrite: bool  # whether a graph rewrite can remove this kind of time
 
 
-# first match wins: "Convolution (NHWC, F32) IGEMM" is a convolution, "batch matrix
-# multiply" a matmul, not an elementwise multiply
+# first match wins: "batch matrix multiply" is a GEMM, not an elementwise multiply
 KINDS = (
-    Kind(
-        "convolution",
-        ("convolution", "deconvolution"),
-        ("Conv", "FusedConv", "ConvTranspose", "NhwcConv"),
-        False,
-    ),
-    Kind(
-        "matmul / linear",
-        ("fully connected", "matrix multiply", "gemm"),
-        ("MatMul", "Gemm", "FusedMatMul", "FusedGemm", "MatMulNBits", "MatMulInteger"),
+    Kind(  # one kind: XNNPACK runs a 1x1 conv as a fully connected GEMM, ORT as a Conv
+        "GEMM: matmul, linear, conv",
+        ("convolution", "fully connected", "matrix multiply", "gemm"),
+        (
+            *("MatMul", "Gemm", "FusedMatMul", "FusedGemm", "MatMulNBits", "MatMulInteger"),
+            *("Conv", "FusedConv", "ConvTranspose", "NhwcConv"),
+        ),
         False,
     ),
     Kind(
