@@ -7,7 +7,7 @@
 """ExecuTorch's LLM export, stock vs etfold, and small HF models with static and dynamic shapes.
 
     .venv/bin/python bench/bench_llm_export.py [--layers N] [--modes fp32,8da4w,bf16]
-        [--budget SECONDS] [--runs N] [--no-llm] [--no-hf]
+        [--budget SECONDS] [--runs N] [--no-llm] [--no-hf] [--peer ort]
 
 LLM export: `export_llama --model llama3` (ExecuTorch's LLM export, as its docs tell users
 to run it) on a SmolLM2-135M-shaped params file (dim 576, 9 heads / 3 KV heads, hidden
@@ -63,6 +63,11 @@ export, etfold's dynamic program is timed against stock's static one, the best s
              320 (torch.export proves the attention's reshapes only for whole frames)
   llama      LlamaForCausalLM: hidden 128, 2 layers, 4 heads / 2 KV heads, vocab 1000;
              32 tokens, dynamic 4..64
+With `--peer ort` (needs `pip install 'etfold[peers]'`), each HF row also runs the same
+export on ONNX Runtime (`etfold.harness.onnx_peer`: torch.onnx.export of the
+ExportedProgram, one thread, ORT_ENABLE_ALL), timed interleaved with the two, and
+prints ORT/etfold and ORT/stock per round. bench/bench_onnx_runtime.py makes the
+ONNX Runtime table of docs/benchmarks.md, with more rows and the per-op profiles.
 """
 
 from __future__ import annotations
@@ -365,12 +370,34 @@ def _kernels_outside(program) -> int:
     return sum(ops_outside(pte_contents(program.executorch.buffer)).values())
 
 
-def _time_pair(stock, ours, inputs: tuple, args):
-    return time_interleaved(
-        {"etfold": lambda: ours.run(*inputs), "stock": lambda: stock.run(*inputs)},
-        budget_s=args.budget / 2,
-        min_rounds=args.runs,
-    )
+def _time_pair(stock, ours, inputs: tuple, args, peer=None):
+    runs = {"etfold": lambda: ours.run(*inputs), "stock": lambda: stock.run(*inputs)}
+    if peer is not None:
+        runs["ort"] = peer.runner(inputs)
+    return time_interleaved(runs, budget_s=args.budget / 2, min_rounds=args.runs)
+
+
+def _ort_or_failure(module, inputs: tuple, dynamic):
+    """ONNX Runtime's program for the same export, or why there is none (ORT's failure)."""
+    from etfold.harness import onnx_peer
+
+    try:
+        program = torch.export.export(module, inputs, dynamic_shapes=dynamic)
+        return onnx_peer.export_to_ort(program, threads=1)
+    except onnx_peer.PeerExportFailed as error:
+        return f"ORT export: {error}"
+    except onnx_peer.PeerRunFailed as error:
+        return f"ORT run: {error}"
+
+
+def _peer_text(timing, peer, inputs: tuple, expected) -> str:
+    from etfold.harness.xnnpack_runner import max_abs_error
+
+    if isinstance(peer, str):
+        return f"; {peer}"
+    error = max_abs_error(peer.run(*inputs), expected)
+    vs_etfold, vs_stock = timing.ratios[("etfold", "ort")], timing.ratios[("stock", "ort")]
+    return f"; ORT/etfold {_spread(vs_etfold)}x, ORT/stock {_spread(vs_stock)}x (ORT error {error:.1e})"
 
 
 def _lowered_or_failure(program, partitioner, **lowering):
@@ -415,20 +442,27 @@ def hf_rows(args) -> None:
                         f"{max_abs_error(ours.run(*inputs), expected):.1e}"
                     )
                     if static_stock is not None:  # stock's best: its static program
-                        timing = _time_pair(static_stock, ours, inputs, args)
+                        peer = _ort_or_failure(module, inputs, dynamic) if args.peer else None
+                        timed_peer = None if isinstance(peer, str) else peer
+                        timing = _time_pair(static_stock, ours, inputs, args, timed_peer)
                         ratio = _spread(timing.ratios[("etfold", "stock")])
                         reasons += f"; stock's static program/etfold's dynamic one {ratio}x"
+                        if args.peer:
+                            reasons += _peer_text(timing, peer, inputs, expected)
                 print(f"{name:8} {shapes:7} {reasons}", flush=True)
                 continue
             stock, ours = lowered["stock"], lowered["etfold"]
             static_stock = stock if shapes == "static" else static_stock
             error = max(max_abs_error(p.run(*inputs), expected) for p in (stock, ours))
-            timing = _time_pair(stock, ours, inputs, args)
+            peer = _ort_or_failure(module, inputs, dynamic) if args.peer else None
+            timed_peer = None if isinstance(peer, str) else peer
+            timing = _time_pair(stock, ours, inputs, args, timed_peer)
             print(
                 f"{name:8} {shapes:7} {stock.delegates()}/{_kernels_outside(stock)} -> "
                 f"{ours.delegates()}/{_kernels_outside(ours)}, "
                 f"stock/etfold {_spread(timing.ratios[('etfold', 'stock')])}x "
-                f"(max error vs eager {error:.1e})",
+                f"(max error vs eager {error:.1e})"
+                + (_peer_text(timing, peer, inputs, expected) if args.peer else ""),
                 flush=True,
             )
 
@@ -456,7 +490,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="at least this many rounds")
     parser.add_argument("--no-llm", action="store_true")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument(
+        "--peer", choices=["ort"], help="HF rows: also time ONNX Runtime on the same export"
+    )
     args = parser.parse_args()
+    if args.peer:
+        from etfold.harness import onnx_peer
+
+        onnx_peer.require()
 
     from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 

@@ -7,7 +7,7 @@
 """Recurrent nets on XNNPACK: stock vs etfold, interleaved in one process.
 
     .venv/bin/python bench/bench_recurrent.py [--models lstm,gru,lstm_large]
-                                              [--instances 3] [--budget 20]
+                                              [--instances 3] [--budget 20] [--peer ort]
 
 Models (random weights, seeded; each followed by two Linear layers and log_softmax,
 as upstream's LSTM op test):
@@ -25,6 +25,9 @@ max error against eager; median ms per call (p10-p90) on the single-threaded run
 ratio = lowering / stock per round (median, p10-p90; < 1 is faster than stock).
 Each lowering is loaded `--instances` times and the rounds rotate over the loads:
 two loads of one program differ by several percent for as long as they live.
+With `--peer ort` (needs `pip install 'etfold[peers]'`), ONNX Runtime runs the same
+export (`etfold.harness.onnx_peer`: one thread, ORT_ENABLE_ALL), `--instances`
+sessions, in the same interleaved timing; its row shows its ratio to stock and to etfold.
 """
 
 from __future__ import annotations
@@ -98,11 +101,11 @@ def bench_model(name: str, args) -> None:
             lower_xnnpack(export_method(module, "forward", (x,)), [partitioner()], lower=lower)
             for _ in range(args.instances)
         ]
-    timing = time_interleaved(
-        {k: [lambda p=p: p.run(x) for p in ps] for k, ps in loads.items()},
-        budget_s=args.budget,
-        min_rounds=args.rounds,
-    )
+    runs = {k: [lambda p=p: p.run(x) for p in ps] for k, ps in loads.items()}
+    peer = _ort_or_failure(module, x, args.instances) if args.peer else None
+    if peer is not None and not isinstance(peer, str):
+        runs["ort"] = [session.runner((x,)) for session in peer]
+    timing = time_interleaved(runs, budget_s=args.budget, min_rounds=args.rounds)
     print(f"{name} {cell.__name__}({size}, {hidden}) on {shape}, {timing.rounds} rounds")
     for lowering, programs in loads.items():
         first = programs[0]
@@ -117,6 +120,33 @@ def bench_model(name: str, args) -> None:
             ratio = timing.ratios[("stock", lowering)]
             row += f"  /stock {ratio.median:.3f} ({ratio.p10:.3f}-{ratio.p90:.3f})"
         print(row, flush=True)
+    if peer is not None:
+        print(_peer_row(peer, timing, x, reference), flush=True)
+
+
+def _ort_or_failure(module, x, instances: int):
+    """`instances` ORT sessions of the same export, or why there are none (ORT's failure)."""
+    from etfold.harness import onnx_peer
+
+    try:
+        first = onnx_peer.export_to_ort(export_method(module, "forward", (x,)), threads=1)
+        more = [onnx_peer.ort_session(first.model) for _ in range(instances - 1)]
+    except onnx_peer.PeerExportFailed as error:
+        return f"ORT export: {error}"
+    except onnx_peer.PeerRunFailed as error:
+        return f"ORT run: {error}"
+    return [first, *(onnx_peer.OrtProgram(first.model, s, 1) for s in more)]
+
+
+def _peer_row(peer, timing, x, reference) -> str:
+    if isinstance(peer, str):
+        return f"  {'ort':<11} FAILED {peer}"
+    ms, text = timing.milliseconds["ort"], ""
+    for base in ("stock", "etfold"):
+        r = timing.ratios[(base, "ort")]
+        text += f"  /{base} {r.median:.3f} ({r.p10:.3f}-{r.p90:.3f})"
+    error = max_abs_error(peer[0].run(x), reference)
+    return f"  {'ort':<11} {'':>33}err {error:.1e}  {ms.median:.4f} ms ({ms.p10:.4f}-{ms.p90:.4f}){text}"
 
 
 def main() -> None:
@@ -127,7 +157,12 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=3, help="loads of each lowering")
     parser.add_argument("--budget", type=float, default=20.0, help="timing seconds per model")
     parser.add_argument("--rounds", type=int, default=20, help="at least this many rounds")
+    parser.add_argument("--peer", choices=["ort"], help="also time ONNX Runtime on the export")
     args = parser.parse_args()
+    if args.peer:
+        from etfold.harness import onnx_peer
+
+        onnx_peer.require()
     torch.set_num_threads(1)
     _unsafe_reset_threadpool(1)  # single-threaded runtime: ratios independent of core count
     for name in args.models.split(","):

@@ -34,7 +34,8 @@ EXIT_USAGE = 2  # a bad argument or input file
 
 _EPILOG = """\
 exit status: 0 every lowering and run succeeded; 1 a lowering or run failed
-(its row says where); 2 a bad argument or input file (one line on stderr).
+(its row says where; a peer's failure shows in its own row and does not count);
+2 a bad argument or input file (one line on stderr).
 Third-party warnings and runtime messages are hidden unless --verbose;
 --debug adds tracebacks. Models whose optional dependencies are missing are
 skipped with a line naming the extra that installs them.
@@ -70,6 +71,9 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
 
+
+# runtimes `etfold report --peer` times beside stock and etfold (etfold.harness.onnx_peer.PEERS)
+PEERS = ("ort",)
 
 # `etfold lower` targets (etfold.lowering.TARGETS, named here so --help imports nothing)
 LOWER_TARGETS = ("xnnpack", "tosa-int", "tosa-fp", "ethos-u55", "ethos-u85")
@@ -158,6 +162,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     rep.add_argument(
         "--no-npu", action="store_true", help="skip Vela's Ethos-U cycle estimates for Arm rows"
+    )
+    rep.add_argument(
+        "--peer",
+        choices=PEERS,
+        action="append",
+        help="XNNPACK rows: also run the same exported program on ort (ONNX Runtime, "
+        "CPU, as many threads as ExecuTorch's), timed interleaved with stock and etfold; "
+        "needs pip install 'etfold[peers]'",
     )
     rep.add_argument(
         "--jobs",
@@ -381,12 +393,13 @@ class _Rows:
     """stdout as models finish: table rows, a JSON array (a row a line, each after the
     first led by its comma), or JSON Lines."""
 
-    def __init__(self, mode: str, names: list[str], explain: bool):
+    def __init__(self, mode: str, names: list[str], explain: bool, peers: bool = False):
         from etfold import report
 
         self.outcomes: list = []
         self._mode = mode
-        self._table = report.TableStream(max(map(len, names), default=0), explain=explain)
+        width = max(map(len, names), default=0)
+        self._table = report.TableStream(width, explain=explain, peers=peers)
         if mode == "json":
             self._write("[\n")
 
@@ -425,10 +438,11 @@ def _run_models(refs, args, stream: TextIO) -> list:
         debug=args.debug,
         capture=not (args.verbose or args.debug),
         verbose=args.verbose,
+        peers=_peers(args),
     )
     mode = "jsonl" if args.jsonl else "json" if args.json else "table"
     progress = _Progress(stream, len(refs))
-    rows = _Rows(mode, [r.name for r in refs], args.explain)
+    rows = _Rows(mode, [r.name for r in refs], args.explain, bool(options.peers))
 
     def finished(ref, outcomes, elapsed):
         progress.finished(ref, outcomes, elapsed)
@@ -470,6 +484,23 @@ def _models_to_run(args, progress: TextIO) -> list:
     return [report_workers.ModelRef.of_entry(e) for e in entries]
 
 
+def _peers(args) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(args.peer or ()))
+
+
+def _check_peers(args) -> None:
+    """A peer runs beside XNNPACK rows, and only with its packages installed."""
+    if not args.peer:
+        return
+    if args.backend == "arm" or (args.program and args.backend not in (None, "xnnpack")):
+        raise _UsageError("--peer times CPU runtimes beside XNNPACK rows: give --backend xnnpack")
+    from etfold.harness import onnx_peer
+
+    missing = onnx_peer.unavailable_text()
+    if missing is not None:
+        raise _UsageError(missing)
+
+
 def _check_needs(backend: str) -> None:
     """The extras a backend's lowering needs, before anything is loaded."""
     entry = demo_models.CatalogueEntry("", backend, "", "")
@@ -497,6 +528,7 @@ def _report(args) -> int:
         raise _UsageError("give --json or --jsonl, not both")
     if args.calibration is not None and not (args.program and args.backend == "arm"):
         raise _UsageError("--calibration applies to --program with --backend arm")
+    _check_peers(args)
     from etfold.decisions import set_log_level
 
     if args.verbose:
@@ -508,7 +540,8 @@ def _report(args) -> int:
     finally:
         if args.verbose:
             set_log_level(None)
-    return EXIT_FAILED if any(o.failure for o in outcomes) else EXIT_OK
+    failed = any(o.failure for o in outcomes if o.flavour not in _peers(args))
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 def _lower(args) -> int:

@@ -15,6 +15,11 @@ What a row shows, per backend:
   (`etfold.harness.timing`): median and p10–p90 per call, and the per-round
   ratio etfold/stock with its p10–p90. Each program is loaded three times and
   the loads take turns, so where a load's buffers landed is part of the spread.
+- A peer (`peers=("ort",)`, XNNPACK rows only): the same exported program run by
+  ONNX Runtime (`etfold.harness.onnx_peer`) with as many threads as the ExecuTorch
+  runtime's threadpool, timed interleaved with stock and etfold; its row shows its
+  latency, its ratio to stock and to etfold, and its error against eager. A peer's
+  failure is its own row's, never a lowering's.
 - Arm (TOSA INT): the TOSA operators the delegates hold and, when Vela and the
   harness's Ethos-U helper are installed, Vela's cycle estimate for an Ethos-U55
   and an Ethos-U85. The TOSA reference model only checks numbers here; its
@@ -43,6 +48,7 @@ if TYPE_CHECKING:
     from etfold.demo_models import DemoModel
 
 FLAVOURS = ("stock", "etfold")
+PEER_TITLES = {"ort": "ORT"}  # peer flavour -> how its failures are named
 MAX_NOTES_PER_FOLD = 3  # distinct decisions per model, fold and verdict shown in the table
 UPSTREAM_SCALAR_MUL = "arm.scalar_mul_into_conv"
 
@@ -63,9 +69,12 @@ class Outcome:
     p10_ms: float = float("nan")
     p90_ms: float = float("nan")
     timed_rounds: int = 0
-    ratio: float = float("nan")  # etfold/stock per call (etfold row), median over rounds
+    ratio: float = float("nan")  # this row/stock per call (etfold, peer rows), median over rounds
     ratio_p10: float = float("nan")
     ratio_p90: float = float("nan")
+    vs_etfold: float = float("nan")  # this row/etfold per call (peer rows)
+    vs_etfold_p10: float = float("nan")
+    vs_etfold_p90: float = float("nan")
     tosa_ops: dict[str, int] = field(default_factory=dict)
     npu_cycles: dict[str, dict[str, int]] = field(default_factory=dict)  # target -> Vela
     notes: list[str] = field(default_factory=list)
@@ -183,6 +192,43 @@ def _lower_xnnpack(outcome: Outcome, model: DemoModel) -> _Lowered:
     runs = [lambda: lowered.run(*inputs)]
     runs += [lambda load=load: load.run_method("forward", tuple(inputs)) for load in loads]
     return _Lowered(runs, lambda: lowered.run(*inputs))
+
+
+def _runtime_threads() -> int:
+    from executorch.extension.pybindings import portable_lib
+
+    return portable_lib._threadpool_get_thread_count()
+
+
+def _lower_peer(model: DemoModel) -> _Lowered:
+    """The program the lowerings get, exported to ONNX and loaded `INSTANCES` times in ORT."""
+    import torch
+
+    from etfold.harness import onnx_peer
+    from etfold.harness.modules import in_eval_mode
+
+    module, inputs = model.build()
+    program = torch.export.export(in_eval_mode(module), inputs)
+    peer = onnx_peer.export_to_ort(program, threads=_runtime_threads())
+    sessions = [peer] + [
+        onnx_peer.OrtProgram(
+            peer.model, onnx_peer.ort_session(peer.model, peer.threads), peer.threads
+        )
+        for _ in range(INSTANCES - 1)
+    ]
+    return _Lowered([s.runner(inputs) for s in sessions], lambda: peer.run(*inputs))
+
+
+def peer_failure_text(peer: str, error: BaseException) -> str:
+    """A peer's failure, named as the peer's: `ORT export: …`, `ORT run: …`."""
+    from etfold.harness.onnx_peer import PeerExportFailed, PeerRunFailed
+
+    title = PEER_TITLES.get(peer, peer)
+    if isinstance(error, PeerExportFailed):
+        return f"{title} export: {error}"
+    if isinstance(error, PeerRunFailed):
+        return f"{title} run: {error}"
+    return f"{title}: {failure_text(error)}"
 
 
 def _arm_folds(flavour: str):
@@ -304,10 +350,12 @@ def _time(lowered: Mapping[str, _Lowered], outcomes: Mapping[str, Outcome], plan
         o = outcomes[flavour]
         o.median_ms, o.p10_ms, o.p90_ms = spread.median, spread.p10, spread.p90
         o.timed_rounds = timing.rounds
-    if ("stock", "etfold") in timing.ratios:
-        ratio = timing.ratios["stock", "etfold"]
-        o = outcomes["etfold"]
-        o.ratio, o.ratio_p10, o.ratio_p90 = ratio.median, ratio.p10, ratio.p90
+    for (base, flavour), ratio in timing.ratios.items():  # (a, b): b/a, names in row order
+        o = outcomes[flavour]
+        if base == "stock":
+            o.ratio, o.ratio_p10, o.ratio_p90 = ratio.median, ratio.p10, ratio.p90
+        elif base == "etfold":
+            o.vs_etfold, o.vs_etfold_p10, o.vs_etfold_p90 = ratio.median, ratio.p10, ratio.p90
 
 
 def _explain_differences(stock: Outcome, ours: Outcome) -> None:
@@ -336,8 +384,10 @@ def evaluate(
     debug: bool = False,
     alone: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     between: Callable[[], None] = lambda: None,
+    peers: Sequence[str] = (),
 ) -> list[Outcome]:
-    """Stock and etfold outcomes for one model; a failing lowering is reported, not raised.
+    """Stock and etfold outcomes for one model, then one per peer (XNNPACK models only);
+    a failing lowering is reported, not raised.
 
     The latency timing runs inside `alone()`, and `between()` is called between
     lowerings: a parallel run makes timing wait until nothing else runs, and a
@@ -363,6 +413,8 @@ def evaluate(
             outcome.failure = failure_text(error)
             if debug:
                 traceback.print_exc(file=sys.stderr)
+    if model.backend == "xnnpack":
+        _add_peers(model, outcomes, lowered, reference, peers, debug, between)
     if model.backend == "xnnpack" and lowered:
         with alone():
             _time(lowered, outcomes, plan)
@@ -371,6 +423,22 @@ def evaluate(
             _add_npu_cycles(outcomes[flavour], model, between)
     _explain_differences(outcomes["stock"], outcomes["etfold"])
     return list(outcomes.values())
+
+
+def _add_peers(model, outcomes, lowered, reference, peers, debug, between) -> None:
+    from etfold.harness import xnnpack_runner
+
+    for peer in peers:
+        between()
+        outcome = outcomes[peer] = Outcome(model.name, model.backend, peer)
+        try:
+            low = _lower_peer(model)
+            outcome.max_error = xnnpack_runner.max_abs_error(low.outputs(), reference)
+            lowered[peer] = low
+        except Exception as error:  # the peer's failure is its row's
+            outcome.failure = peer_failure_text(peer, error)
+            if debug:
+                traceback.print_exc(file=sys.stderr)
 
 
 class UserInputError(ValueError):
@@ -509,13 +577,24 @@ def decision_notes(
     return lines
 
 
-def _latency_cells(o: Outcome) -> tuple[str, str]:
+def _ratio_cell(median: float, p10: float, p90: float) -> str:
+    if median != median:  # NaN: no paired timing
+        return "-"
+    return f"{median:.2f}x ({p10:.2f}–{p90:.2f})"
+
+
+def _latency_cells(o: Outcome, peers: bool) -> tuple[str, ...]:
     if o.timed_rounds == 0:
-        return "-", "-"
+        return ("-",) * (3 if peers else 2)
     latency = f"{o.median_ms:.3f} ({o.p10_ms:.3f}–{o.p90_ms:.3f})"
-    if o.flavour == "stock" or o.ratio != o.ratio:  # NaN: no paired stock timing
-        return latency, "-"
-    return latency, f"{o.ratio:.2f}x ({o.ratio_p10:.2f}–{o.ratio_p90:.2f})"
+    cells = (latency, _ratio_cell(o.ratio, o.ratio_p10, o.ratio_p90))
+    if peers:
+        cells += (_ratio_cell(o.vs_etfold, o.vs_etfold_p10, o.vs_etfold_p90),)
+    return cells
+
+
+def is_peer(o: Outcome) -> bool:
+    return o.flavour not in FLAVOURS
 
 
 def _cycles_cell(o: Outcome, target: str) -> str:
@@ -531,26 +610,33 @@ _COMMON = ("model", "lowering", "delegates", "ops outside", ".pte bytes")
 
 
 def _twin_cell(o: Outcome) -> str:
-    if not o.fp32_twin:
+    if not o.fp32_twin or is_peer(o):
         return "-"
     return f"{o.fp32_twin['delegates']} / {o.fp32_twin['ops_outside']}"
 
 
-def _table_header(backend: str, targets: Sequence[str]) -> tuple[str, ...]:
-    if backend == "xnnpack":
+def _table_header(backend: str, targets: Sequence[str], peers: bool = False) -> tuple[str, ...]:
+    if backend == "xnnpack" and peers:  # a row's time over stock's, over etfold's
+        ratios = ("row/stock (p10–p90)", "row/etfold (p10–p90)")
+        extra = ("median ms (p10–p90)", *ratios, "fp32 twin deleg/outside")
+    elif backend == "xnnpack":
         extra = ("median ms (p10–p90)", "etfold/stock (p10–p90)", "fp32 twin deleg/outside")
     else:
         extra = ("TOSA ops", *(f"{t} cycles" for t in targets))
     return (*_COMMON, *extra, "max err", "folds")
 
 
-def _table_cells(o: Outcome, targets: Sequence[str], columns: int) -> tuple[str, ...]:
+def _table_cells(
+    o: Outcome, targets: Sequence[str], columns: int, peers: bool = False
+) -> tuple[str, ...]:
     if o.failure:
         return (o.model, o.flavour, *["-"] * (columns - 3), f"FAILED: {o.failure}")
     if o.backend == "xnnpack":
-        cells = (*_latency_cells(o), _twin_cell(o))
+        cells = (*_latency_cells(o, peers), _twin_cell(o))
     else:
         cells = (_ops_text(o.tosa_ops, 3), *(_cycles_cell(o, t) for t in targets))
+    if is_peer(o):  # no ExecuTorch program: its structure cells are empty
+        return (o.model, o.flavour, "-", "-", "-", *cells, f"{o.max_error:.3g}", "-")
     return (
         o.model,
         o.flavour,
@@ -572,8 +658,9 @@ def _title(backend: str) -> str:
 
 
 def _backend_table(outcomes: Sequence[Outcome], backend: str, targets: Sequence[str]) -> list[str]:
-    header = _table_header(backend, targets)
-    rows = [_table_cells(o, targets, len(header)) for o in outcomes]
+    peers = any(is_peer(o) for o in outcomes)
+    header = _table_header(backend, targets, peers)
+    rows = [_table_cells(o, targets, len(header), peers) for o in outcomes]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return [_aligned(header, widths), _aligned(["-" * w for w in widths], widths)] + [
         _aligned(r, widths) for r in rows
@@ -604,7 +691,14 @@ def format_table(outcomes: Sequence[Outcome], *, explain: bool = False) -> str:
 
 
 # room for a typical cell where the header is narrower (a wider cell shifts the rest of its row)
-_STREAM_WIDTHS = {"ops outside": 50, "median ms (p10–p90)": 24, "TOSA ops": 42, "max err": 8}
+_STREAM_WIDTHS = {
+    "ops outside": 50,
+    "median ms (p10–p90)": 24,
+    "row/stock (p10–p90)": 22,
+    "row/etfold (p10–p90)": 22,
+    "TOSA ops": 42,
+    "max err": 8,
+}
 
 
 class TableStream:
@@ -616,9 +710,10 @@ class TableStream:
     follow the last row (`close`).
     """
 
-    def __init__(self, model_width: int, *, explain: bool = False):
+    def __init__(self, model_width: int, *, explain: bool = False, peers: bool = False):
         self._model_width = model_width
         self._explain = explain
+        self._peers = peers  # peer rows follow: the XNNPACK header has a column per ratio
         self._section: tuple[str, tuple[str, ...], list[int]] | None = None
         self._outcomes: list[Outcome] = []
 
@@ -628,14 +723,15 @@ class TableStream:
             rows = [o for o in outcomes if o.backend == backend]
             lines += self._section_for(backend, {t for o in rows for t in o.npu_cycles})
             _, targets, widths = self._section
-            lines += [_aligned(_table_cells(o, targets, len(widths)), widths) for o in rows]
+            cells = [_table_cells(o, targets, len(widths), self._peers) for o in rows]
+            lines += [_aligned(c, widths) for c in cells]
         self._outcomes += outcomes
         return lines
 
     def _section_for(self, backend: str, targets: set[str]) -> list[str]:
         if self._section and self._section[0] == backend and targets <= set(self._section[1]):
             return []
-        header = _table_header(backend, sorted(targets))
+        header = _table_header(backend, sorted(targets), self._peers)
         widths = [_STREAM_WIDTHS.get(h, len(h)) for h in header]
         widths[0] = max(widths[0], self._model_width)
         widths[-1] = 0  # the last column is never padded

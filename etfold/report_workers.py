@@ -80,6 +80,7 @@ class RunOptions:
     debug: bool = False
     capture: bool = True  # third-party chatter to a scratch file (else to stderr)
     verbose: bool = False
+    peers: tuple[str, ...] = ()  # other runtimes timed beside stock and etfold ("ort")
 
 
 class TimingGate:
@@ -167,7 +168,12 @@ def evaluate(
         model = ref.load()
         gated = {"alone": gate.alone, "between": gate.between} if gate else {}
         rows = report.evaluate(
-            model, timing=options.timing, npu=options.npu, debug=options.debug, **gated
+            model,
+            timing=options.timing,
+            npu=options.npu,
+            debug=options.debug,
+            peers=options.peers,
+            **gated,
         )
     return rows, time.perf_counter() - start
 
