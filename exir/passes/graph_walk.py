@@ -377,9 +377,24 @@ def is_channels_last(value) -> bool:
     )
 
 
+def call_with_value(
+    graph: torch.fx.Graph, target, args: tuple, value: object, meta: dict | None = None
+) -> torch.fx.Node:
+    """`target(*args)` at the graph's insertion point, its fake value `value`: the node
+    gets a copy of `meta` (a node's metadata it stands in for) with that value, or, with
+    no `meta`, only the value."""
+    node = graph.call_function(target, args)
+    if meta is None:
+        node.meta["val"] = value
+    else:
+        node.meta = {**meta, "val": value}
+    return node
+
+
 def insert_to_copy(graph: torch.fx.Graph, value: torch.fx.Node, **kwargs) -> torch.fx.Node:
     """`aten._to_copy(value, **kwargs)` at the graph's insertion point, with its `val`."""
     copied = graph.call_function(torch.ops.aten._to_copy.default, (value,), kwargs)
+    # graph_walk sits below node_shapes (which imports it): it reads the fake value itself
     copied.meta["val"] = torch.ops.aten._to_copy.default(value.meta["val"], **kwargs)
     return copied
 
@@ -510,6 +525,7 @@ def add_lifted_constant(ep: ExportedProgram, target: str, tensor: torch.Tensor) 
     with inserting:
         node = ep.graph.placeholder(target.replace(".", "_"))
     node.target = node.name
+    # graph_walk sits below node_shapes (which imports it): it reads the fake values itself
     fake_mode = detect_fake_mode([n.meta.get("val") for n in holders]) or FakeTensorMode()
     node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
     ep.constants[target] = tensor

@@ -22,6 +22,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
 from etfold.exir.passes.graph_walk import ConstantSource, known_placeholder, state_writes
+from etfold.exir.passes.node_shapes import node_value
 
 NAME_DIGEST_LENGTH = 10  # hex digits of `tensor_digest` in a new constant's name
 
@@ -126,7 +127,7 @@ def create_constant(
         node = graph.get_attr(name)
     node.meta = {k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")}
     if "val" in like.meta:
-        fake = like.meta["val"]
+        fake = node_value(like)
         mode = getattr(fake, "fake_mode", None)
         node.meta["val"] = mode.from_tensor(data, static_shapes=True) if mode is not None else data
     return node

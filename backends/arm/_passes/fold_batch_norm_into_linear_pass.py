@@ -40,6 +40,7 @@ from etfold.exir.passes.graph_walk import (
     underlying_op,
 )
 from etfold.exir.passes.node_rewrite_driver import matches_in
+from etfold.exir.passes.node_shapes import node_value
 from etfold.exir.passes.own_constants_before_batch_norm_fusion_pass import (
     is_inference_batch_norm,
 )
@@ -85,7 +86,7 @@ def match_linear_batch_norm(program: ExportedProgram, facts, node: Node):
     linear = node.args[0]
     if not isinstance(linear, Node) or underlying_op(linear.target) != _LINEAR:
         return None
-    value = linear.meta.get("val")
+    value = node_value(linear)
     if value is None or value.dim() != 2:
         return None  # batch norm over another axis than the linear's features
     if any(u.target is operator.getitem and u.args[1] != 0 for u in node.users):

@@ -57,6 +57,7 @@ from etfold.backends.arm._passes.npu_costs import table_stays_fused
 from etfold.backends.arm._passes.tosa_integer import Rescale, fits_int32
 from etfold.decisions import Declined
 from etfold.exir.passes.graph_walk import fresh_constant_name, tensor_digest
+from etfold.exir.passes.node_shapes import node_value
 
 FOLD = "arm.dyt_alpha_into_lut"
 
@@ -136,7 +137,7 @@ def activation_is_int8_rescale(activation_operand: Node) -> Declined | None:
             "the activation operand is not a plain int8->int32 RESCALE (reshaped or unquantized)"
         )
     source = activation_operand.args[0]
-    value = source.meta.get("val")
+    value = node_value(source)
     if not isinstance(value, torch.Tensor) or value.dtype != torch.int8:
         return Declined("the activation feeding the multiply is not int8")
     return None

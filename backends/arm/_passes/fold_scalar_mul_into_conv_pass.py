@@ -75,7 +75,7 @@ from etfold.backends.arm._passes.twin_layers import meet, twin_layers
 from etfold.decisions import Declined
 from etfold.exir.passes.graph_walk import fresh_constant_name, tensor_digest, underlying_op
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
-from etfold.exir.passes.node_shapes import static_shape
+from etfold.exir.passes.node_shapes import node_value, static_shape
 
 FOLD = "arm.scalar_mul_into_conv"
 
@@ -218,7 +218,7 @@ def has_single_user(conv: Node, mul: Node, chain: tuple[Node, ...] = ()) -> bool
 
 
 def has_shape_metadata(*nodes: Node) -> bool:
-    return all(isinstance(n.meta.get("val"), torch.Tensor) for n in nodes)
+    return all(isinstance(node_value(n), torch.Tensor) for n in nodes)
 
 
 def is_float_conv(pass_: ArmPass, conv: Node, mul: Node, weight: torch.Tensor) -> bool:
@@ -287,13 +287,13 @@ def varies_only_along_channels(
 
 
 def keeps_conv_output(conv: Node, mul: Node) -> bool:
-    conv_val, mul_val = conv.meta["val"], mul.meta["val"]
+    conv_val, mul_val = node_value(conv), node_value(mul)
     return conv_val.shape == mul_val.shape and conv_val.dtype == mul_val.dtype
 
 
 def channel_axis_at(arguments: ConvArguments, chain: tuple[Node, ...]) -> int | None:
     """The layer's output-channel axis as the multiply sees it, or None if the chain mixes it."""
-    axis: int | None = arguments.output_channel_axis(arguments.node.meta["val"].dim())
+    axis: int | None = arguments.output_channel_axis(node_value(arguments.node).dim())
     for node in chain:
         axis = channel_axis_after(node, axis)
         if axis is None:
@@ -437,7 +437,7 @@ class FoldScalarMulIntoConvPass(ArmPass):
         channel_axis = channel_axis_at(arguments, chain)
         if channel_axis is None:
             return Declined(CHANNELS_MIXED)
-        output_shape = operand.meta["val"].shape
+        output_shape = node_value(operand).shape
         if not varies_only_along_channels(scale_tensor, output_shape, out_channels, channel_axis):
             return Declined(SCALE_NOT_CHANNELWISE)
         if not keeps_conv_output(operand, mul):

@@ -53,7 +53,7 @@ from etfold.backends.xnnpack._passes.decomposed_first import decomposed_for
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import sizes_known_equal, symbolic_axes
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import node_value, shapes_known_equal
+from etfold.exir.passes.node_shapes import argument_values, node_value, shapes_known_equal
 
 FOLD = "xnnpack.attention_scores_in_bmm_shape"
 
@@ -210,8 +210,7 @@ def rewrite_scores_chain(match: ScoresChain) -> None:
         if node.target in (aten._softmax.default, aten.any.dim):
             args[1] = -1
         node.args = tuple(args)
-        operands = [node_value(a) if isinstance(a, Node) else a for a in args]
-        node.meta["val"] = node.target(*operands, **node.kwargs)
+        node.meta["val"] = node.target(*argument_values(args), **node.kwargs)
     match.lowered.replace_all_uses_with(match.lowered.args[0])
     graph.erase_node(match.lowered)
     graph.erase_node(match.lifted)

@@ -89,7 +89,7 @@ def length_node(embedding: Node, indices: Node) -> Node | None:
     for node in embedding.graph.nodes:
         if node is embedding:
             break
-        value = node.meta.get("val")
+        value = node_value(node)
         same = isinstance(value, torch.SymInt) and value.node.expr == n.node.expr
         if same and indices not in ancestors(node):
             return node

@@ -72,7 +72,7 @@ from etfold.exir.passes.graph_walk import (
     value_ancestors,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import rank_of
+from etfold.exir.passes.node_shapes import node_value, rank_of
 
 FOLD = "xnnpack.safe_softmax_as_softmax"
 
@@ -340,7 +340,7 @@ def match_safe_softmax(
     values = _mask_values(mask, masks)
     if isinstance(values, Declined):
         return values
-    value = x.meta["val"]
+    value = node_value(x)
     declined = every_row_kept_everywhere(values, value.dim(), guard.dim, value.dtype)
     if declined is not None:
         return declined

@@ -44,12 +44,13 @@ from etfold.backends.xnnpack._passes.size_only_tables import Table, judge_table,
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import (
     add_lifted_constant,
+    call_with_value,
     drop_unread,
     fresh_constant_name,
     state_facts,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_judged_on_a_copy
-from etfold.exir.passes.node_shapes import node_value
+from etfold.exir.passes.node_shapes import argument_values, node_value
 
 FOLD = "xnnpack.size_only_values_as_table_slices"
 
@@ -118,17 +119,9 @@ def _table_name(program: ExportedProgram, reader: str) -> str:
     )
 
 
-def _call(graph, target, args: tuple, value) -> Node:
-    node = graph.call_function(target, args)
-    node.meta["val"] = value
-    return node
-
-
 def _slice(graph, source: Node, dim: int, start: object, end: object) -> Node:
-    value = aten.slice.Tensor(
-        node_value(source), dim, start, node_value(end) if isinstance(end, Node) else end
-    )
-    return _call(graph, aten.slice.Tensor, (source, dim, start, end), value)
+    value = aten.slice.Tensor(node_value(source), dim, start, argument_values(end))
+    return call_with_value(graph, aten.slice.Tensor, (source, dim, start, end), value)
 
 
 def with_spare(table: torch.Tensor, dims) -> torch.Tensor:
@@ -161,9 +154,11 @@ def _row_piece(graph, rows: Node, member: Member, offset: int, width: int, by_na
     shape[dim] = by_name[length]
     if len(shape) == 2:
         return piece
-    value_shape = [node_value(s) if isinstance(s, Node) else s for s in shape]
-    return _call(
-        graph, aten.view.default, (piece, shape), aten.view.default(node_value(piece), value_shape)
+    return call_with_value(
+        graph,
+        aten.view.default,
+        (piece, shape),
+        aten.view.default(node_value(piece), argument_values(shape)),
     )
 
 

@@ -6,13 +6,13 @@
 
 """`drop_unread`: the pure ops nothing reads, and what they read in turn, go; an op
 still read, a placeholder, or an impure op stays; export's metadata checks of a
-dropped value go with it."""
+dropped value go with it. `call_with_value`: a new node with the value it is given."""
 
 from __future__ import annotations
 
 import torch
 
-from etfold.exir.passes.graph_walk import ancestors, drop_unread, value_ancestors
+from etfold.exir.passes.graph_walk import ancestors, call_with_value, drop_unread, value_ancestors
 
 
 def _graph():
@@ -70,3 +70,15 @@ def test_value_ancestors_stop_at_a_size_read():
     assert size.target is torch.ops.aten.sym_size.int and size.args[0].name == "avg_pool1d"
     assert {n.name for n in value_ancestors(arange)} == {"arange", size.name}
     assert {"x", "relu", "avg_pool1d"} <= {n.name for n in ancestors(arange)}
+
+
+def test_call_with_value_gives_the_new_node_its_value_and_only_the_meta_asked_for():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta.update({"val": torch.ones(2, 3), "stack_trace": "model.py:1"})
+    bare = call_with_value(graph, torch.ops.aten.neg.default, (x,), value := torch.zeros(2, 3))
+    assert bare.args == (x,) and bare.meta == {"val": value}
+    like = call_with_value(graph, torch.ops.aten.t.default, (bare,), torch.zeros(3, 2), x.meta)
+    assert like.meta["stack_trace"] == "model.py:1" and like.meta["val"].shape == (3, 2)
+    assert x.meta["val"].shape == (2, 3)  # the metadata it was given is copied, not written
+    assert _ops(graph) == ["aten.neg.default", "aten.t.default"]
