@@ -6,13 +6,21 @@
 
 """`drop_unread`: the pure ops nothing reads, and what they read in turn, go; an op
 still read, a placeholder, or an impure op stays; export's metadata checks of a
-dropped value go with it. `call_with_value`: a new node with the value it is given."""
+dropped value go with it. `call_with_value`: a new node with the value it is given.
+`STATE_KINDS`: the placeholders whose value the program holds."""
 
 from __future__ import annotations
 
 import torch
 
-from etfold.exir.passes.graph_walk import ancestors, call_with_value, drop_unread, value_ancestors
+from etfold.exir.passes.graph_walk import (
+    STATE_KINDS,
+    ancestors,
+    call_with_value,
+    drop_unread,
+    state_placeholders,
+    value_ancestors,
+)
 
 
 def _graph():
@@ -82,3 +90,21 @@ def test_call_with_value_gives_the_new_node_its_value_and_only_the_meta_asked_fo
     assert like.meta["stack_trace"] == "model.py:1" and like.meta["val"].shape == (3, 2)
     assert x.meta["val"].shape == (2, 3)  # the metadata it was given is copied, not written
     assert _ops(graph) == ["aten.neg.default", "aten.t.default"]
+
+
+class _Held(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(3))
+        self.register_buffer("scale", torch.ones(3))
+        self.offset = torch.ones(3)  # lifted as a tensor constant
+
+    def forward(self, x):
+        return x * self.weight * self.scale + self.offset
+
+
+def test_state_kinds_are_what_the_program_holds_and_never_a_user_input():
+    program = torch.export.export(_Held(), (torch.ones(3),))
+    kinds = {s.kind for s in program.graph_signature.input_specs}
+    assert kinds - STATE_KINDS == {torch.export.graph_signature.InputKind.USER_INPUT}
+    assert sorted(state_placeholders(program)) == ["offset", "scale", "weight"]
