@@ -10,8 +10,8 @@ A pass sees constants in one of two forms: a placeholder of an ExportedProgram
 (backend pipeline: parameter, buffer or lifted constant) or a `get_attr` of a
 bare GraphModule (annotation pipeline, where the module's tensors are the
 user's own). These helpers read, create and delete constants in either form,
-and never write into an existing tensor. A new constant's name comes from
-`graph_walk.fresh_constant_name`, which the XNNPACK passes share.
+and never write into an existing tensor. A new constant is named by
+`graph_walk.fresh_constant_name`, the rule every etfold pass names constants by.
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
-from etfold.exir.passes.graph_walk import ConstantSource, known_placeholder, state_writes
+from etfold.exir.passes.graph_walk import (
+    ConstantSource,
+    fresh_constant_name,
+    known_placeholder,
+    state_writes,
+)
 from etfold.exir.passes.node_shapes import node_value
-
-NAME_DIGEST_LENGTH = 10  # hex digits of `tensor_digest` in a new constant's name
 
 
 def _get_attr_owner(
@@ -97,17 +100,20 @@ def create_constant(
     exported_program: ExportedProgram | None,
     *,
     like: Node,
-    name: str,
+    stem: str,
     data: torch.Tensor,
+    reader: str | None = None,
 ) -> Node:
-    """A new constant node holding `data`, of the same kind as `like`.
+    """A new constant node holding `data`, of the same kind as `like`, named
+    `fresh_constant_name(stem, data, reader)`.
 
     ExportedProgram: a placeholder (and signature entry) before the first
     placeholder. GraphModule: a new top-level attribute and a `get_attr` before
-    the first node. `name` must be fresh (see `fresh_constant_name`).
+    the first node.
     """
     graph = graph_module.graph
     data = data.detach()
+    name = fresh_constant_name(graph_module, exported_program, stem, data, reader)
     if exported_program is not None and like.op == "placeholder":
         from executorch.backends.transforms.utils import create_constant_placeholder
 

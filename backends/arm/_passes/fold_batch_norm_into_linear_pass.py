@@ -35,6 +35,7 @@ from torch.fx import Node
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import (
     ConstantSource,
+    fresh_constant_name,
     known_placeholder,
     state_facts,
     underlying_op,
@@ -152,10 +153,7 @@ def _fold(program: ExportedProgram, match: LinearBatchNorm) -> str:
 def _new_constant(program, like: ConstantSource, suffix: str, data: torch.Tensor) -> Node:
     from executorch.backends.transforms.utils import create_constant_placeholder
 
-    taken = {n.name for n in program.graph.nodes} | set(program.state_dict) | set(program.constants)
-    name = (like.fqn + suffix).replace(".", "_")
-    if name in taken:
-        raise RuntimeError(f"the fused constant's name {name} is taken")
+    name = fresh_constant_name(program.graph_module, program, like.fqn + suffix, data)
     with program.graph.inserting_after(like.node):
         return create_constant_placeholder(
             program, program.graph, name, like.kind, data.detach(), like.persistent

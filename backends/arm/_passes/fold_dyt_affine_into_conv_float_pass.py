@@ -57,7 +57,6 @@ from etfold.backends.arm._passes.conv_arguments import (
 from etfold.backends.arm._passes.fake_values import ensure_fake_values
 from etfold.backends.arm._passes.layout_axes import Layout, axis_before_layout_op, layout_kind
 from etfold.decisions import Declined, record_declined
-from etfold.exir.passes.graph_walk import fresh_constant_name
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
 from etfold.exir.passes.node_shapes import node_value, rank_of
 
@@ -351,8 +350,9 @@ def rewrite_float_affine(graph_module: GraphModule, match: FloatAffineMatch) -> 
     graph = graph_module.graph
 
     def fresh(like: Node, stem: str, data: torch.Tensor) -> Node:
-        name = fresh_constant_name(graph_module, None, [stem, f"{stem}_for_{conv.node.name}"])
-        return create_constant(graph_module, None, like=like, name=name, data=data)
+        return create_constant(
+            graph_module, None, like=like, stem=stem, data=data, reader=conv.node.name
+        )
 
     weight_node = fresh(
         conv.weight_node, f"{conv.weight_node.target}_times_dyt_gamma", match.weight

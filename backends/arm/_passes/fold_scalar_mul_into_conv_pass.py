@@ -55,7 +55,6 @@ from torch.fx.passes.infra.pass_base import PassResult
 from etfold.backends.arm._passes.carried_state import carried_region
 from etfold.backends.arm._passes.channel_vectors import channel_vector
 from etfold.backends.arm._passes.constants import (
-    NAME_DIGEST_LENGTH,
     constant_tensor,
     create_constant,
     delete_constant_if_unused,
@@ -73,7 +72,7 @@ from etfold.backends.arm._passes.npu_costs import (
 from etfold.backends.arm._passes.op_families import is_inference_noop
 from etfold.backends.arm._passes.twin_layers import meet, twin_layers
 from etfold.decisions import Declined
-from etfold.exir.passes.graph_walk import fresh_constant_name, tensor_digest, underlying_op
+from etfold.exir.passes.graph_walk import NAME_DIGEST_LENGTH, tensor_digest, underlying_op
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
 from etfold.exir.passes.node_shapes import node_value, static_shape
 
@@ -477,18 +476,27 @@ class FoldScalarMulIntoConvPass(ArmPass):
         folded_weight = scaled_weight(m.weight_tensor.detach(), scale, m.transposed, m.groups)
         digest = tensor_digest(scale, NAME_DIGEST_LENGTH)
 
-        def fresh(source: Node) -> str:
-            base = f"{source.target if source.op == 'get_attr' else source.name}_mul_{digest}"
-            return fresh_constant_name(graph_module, program, [base, f"{base}_{m.conv.name}"])
+        def stem(source: Node) -> str:
+            return f"{source.target if source.op == 'get_attr' else source.name}_mul_{digest}"
 
         new_weight = create_constant(
-            graph_module, program, like=m.weight, name=fresh(m.weight), data=folded_weight
+            graph_module,
+            program,
+            like=m.weight,
+            stem=stem(m.weight),
+            data=folded_weight,
+            reader=m.conv.name,
         )
         set_conv_argument(m.conv, "weight", new_weight)
         if m.bias is not None:
             folded_bias = m.bias_tensor.detach() * scale.to(m.bias_tensor.dtype)
             new_bias = create_constant(
-                graph_module, program, like=m.bias, name=fresh(m.bias), data=folded_bias
+                graph_module,
+                program,
+                like=m.bias,
+                stem=stem(m.bias),
+                data=folded_bias,
+                reader=m.conv.name,
             )
             set_conv_argument(m.conv, "bias", new_bias)
 

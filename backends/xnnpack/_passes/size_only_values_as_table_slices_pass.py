@@ -32,7 +32,6 @@ node of the program gives.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +45,6 @@ from etfold.exir.passes.graph_walk import (
     add_lifted_constant,
     call_with_value,
     drop_unread,
-    fresh_constant_name,
     state_facts,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_judged_on_a_copy
@@ -112,13 +110,6 @@ def group_tables(verdicts: dict[str, Table]) -> dict[str, Tables]:
     }
 
 
-def _table_name(program: ExportedProgram, reader: str) -> str:
-    numbered = (f"{reader}_table_{count}" for count in itertools.count(1))
-    return fresh_constant_name(
-        program.graph_module, program, [f"{reader}_table", *itertools.islice(numbered, 99)]
-    )
-
-
 def _slice(graph, source: Node, dim: int, start: object, end: object) -> Node:
     value = aten.slice.Tensor(node_value(source), dim, start, argument_values(end))
     return call_with_value(graph, aten.slice.Tensor, (source, dim, start, end), value)
@@ -180,8 +171,8 @@ def rewrite_tables(match: TablesMatch, program: ExportedProgram) -> None:
         rows = [
             m.table.value.reshape(m.table.value.shape[m.table.lengths[0][0]], -1) for m in packed
         ]
-        name = _table_name(program, match.leader.name)
-        constant = add_lifted_constant(program, name, with_spare(torch.cat(rows, 1), (0, 1)))
+        packed_rows = with_spare(torch.cat(rows, 1), (0, 1))
+        constant = add_lifted_constant(program, f"{match.leader.name}_table", packed_rows)
         with graph.inserting_before(match.leader):
             sliced = _slice(graph, constant, 0, 0, by_name[packed[0].table.lengths[0][1]])
         offset = 0
@@ -194,8 +185,8 @@ def rewrite_tables(match: TablesMatch, program: ExportedProgram) -> None:
     for member in (m for m in members if not m.rows):
         node = by_name[member.name]
         dims = [dim for dim, _ in member.table.lengths]
-        name = _table_name(program, node.name)
-        constant = add_lifted_constant(program, name, with_spare(member.table.value, dims))
+        spared = with_spare(member.table.value, dims)
+        constant = add_lifted_constant(program, f"{node.name}_table", spared)
         with graph.inserting_before(node):
             piece = _own_slices(graph, constant, member.table, by_name)
         _attach(node, piece, member.table)
