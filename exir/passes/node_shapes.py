@@ -13,6 +13,7 @@ that needs sizes asks `static_shape`, which answers only when every size is a
 plain int: a symbolic size is a dynamic shape, and the folds decline those rather
 than guess. `rank_of` needs no sizes, only the tensor. A rewrite that
 holds on dynamic shapes reads `node_value` and compares with `shapes_known_equal`.
+Which axis an op's dim argument names: `axis_index`, `is_last_axis`.
 """
 
 from __future__ import annotations
@@ -61,6 +62,18 @@ def static_shape_of_value(value: object) -> tuple[int, ...] | None:
     if not isinstance(value, torch.Tensor) or not all(type(s) is int for s in value.shape):
         return None
     return tuple(value.shape)
+
+
+def axis_index(dim: int, rank: int) -> int:
+    """The axis an op's `dim` argument names among `rank` axes, a negative dim counting
+    from the end (-1 is `rank - 1`)."""
+    return dim % rank
+
+
+def is_last_axis(dim: object, rank: int) -> bool:
+    """An op's `dim` argument names the last of `rank` axes (-1 or `rank - 1`): the one
+    answer to "is this the last axis"."""
+    return type(dim) is int and rank > 0 and axis_index(dim, rank) == rank - 1
 
 
 def rank_of(node: object) -> int | None:

@@ -52,7 +52,7 @@ from etfold.backends.xnnpack._passes.delegated_floats import (
 from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.graph_walk import describe_axes, sizes_known_equal
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import node_value
+from etfold.exir.passes.node_shapes import axis_index, node_value
 
 FOLD = "xnnpack.elementwise_before_slices"
 
@@ -143,7 +143,7 @@ def _sliced(node: object) -> Sliced | None:
     dim, start, end, step = (given.get(name, default) for name, default in _SLICE_DEFAULTS)
     if step != 1:
         return None
-    return Sliced(node.args[0], dim % source.dim() - source.dim(), start, end)
+    return Sliced(node.args[0], axis_index(dim, source.dim()) - source.dim(), start, end)
 
 
 def _clamped(index: object, default: int, size: int) -> int:

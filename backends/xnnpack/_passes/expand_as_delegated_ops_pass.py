@@ -78,7 +78,7 @@ from etfold.exir.passes.graph_walk import (
     symbolic_axes,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import argument_values, node_value, rank_of
+from etfold.exir.passes.node_shapes import argument_values, axis_index, node_value, rank_of
 
 FOLD = "xnnpack.expand_as_delegated_ops"
 
@@ -294,7 +294,9 @@ def match_cat_of_one_input(
         lambda: views_infer_the_rest(value, "the concatenated input"),
     )
     return (
-        declined if declined is not None else CatOfOneInput(node, dim % value.dim(), len(tensors))
+        declined
+        if declined is not None
+        else CatOfOneInput(node, axis_index(dim, value.dim()), len(tensors))
     )
 
 

@@ -56,7 +56,7 @@ from etfold.backends.xnnpack._passes.split_as_slices_pass import (
 from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.graph_walk import call_with_value
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import node_value, rank_of
+from etfold.exir.passes.node_shapes import is_last_axis, node_value, rank_of
 
 FOLD = "xnnpack.last_dim_unbind_and_stack_transposed"
 
@@ -113,7 +113,7 @@ def match_unbind(node: torch.fx.Node, dtypes: Collection[torch.dtype]):
         return None
     rank = rank_of(node.args[0])
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if rank is None or rank < 2 or dim % rank != rank - 1:
+    if rank is None or rank < 2 or not is_last_axis(dim, rank):
         return None
     if not isinstance(match_selects_as_slices(node, dtypes), SelectsAsSlices):
         return None  # the pieces stay outside either way; that pass says why

@@ -58,7 +58,7 @@ from etfold.exir.passes.graph_walk import (
     symbolic_axes,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import node_value, rank_of
+from etfold.exir.passes.node_shapes import is_last_axis, node_value, rank_of
 
 FOLD = "xnnpack.mean_over_last_dim_as_pooling"
 
@@ -88,7 +88,7 @@ def is_upstream_delegated(node: torch.fx.Node) -> bool:
 
 def reduces_last_dim_only(node: torch.fx.Node, rank: int) -> Declined | None:
     dims, _ = _dims_and_keepdim(node)
-    if not isinstance(dims, (list, tuple)) or len(dims) != 1 or dims[0] % rank != rank - 1:
+    if not isinstance(dims, (list, tuple)) or len(dims) != 1 or not is_last_axis(dims[0], rank):
         return Declined(f"reduces dims {dims}: only a mean over the last dim alone is rewritten")
     return None
 

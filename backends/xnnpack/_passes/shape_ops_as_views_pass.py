@@ -56,7 +56,7 @@ from etfold.exir.passes.graph_walk import (
     written_arguments,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import node_value
+from etfold.exir.passes.node_shapes import is_last_axis, node_value
 
 FOLD = "xnnpack.shape_op_as_view"
 SHAPE_OP_MARK = "etfold_shape_op_as_view"
@@ -94,7 +94,7 @@ def is_upstream_delegated(node: torch.fx.Node) -> bool:
     """An unsqueeze on the trailing dim: upstream's own config and visitor take it."""
     if node.target != aten.unsqueeze.default:
         return False
-    return node.args[1] in (-1, node_value(node.args[0]).dim())
+    return is_last_axis(node.args[1], node_value(node.args[0]).dim() + 1)
 
 
 def delegated_op_names(config_targets: Collection[str]) -> frozenset[str]:

@@ -48,7 +48,7 @@ from etfold.exir.passes.graph_walk import (
     state_facts,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_judged_on_a_copy
-from etfold.exir.passes.node_shapes import argument_values, node_value
+from etfold.exir.passes.node_shapes import argument_values, is_last_axis, node_value
 
 FOLD = "xnnpack.size_only_values_as_table_slices"
 
@@ -84,7 +84,7 @@ def _row_form(table: Table) -> str | None:
         return None
     if not others:
         return "rows"
-    if len(others) == 1 and others[0][0] == value.dim() - 1 == first + 1:
+    if len(others) == 1 and is_last_axis(others[0][0], value.dim()) and others[0][0] == first + 1:
         return "square"
     return None
 

@@ -54,7 +54,7 @@ from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import view_shape
 from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.graph_walk import describe_axes
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import node_value, rank_of
+from etfold.exir.passes.node_shapes import axis_index, node_value, rank_of
 
 FOLD = "xnnpack.split_as_slices"
 
@@ -72,7 +72,7 @@ class SplitAsSlices:
 
 def _dim(node: torch.fx.Node, rank: int) -> int:
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-    return dim % rank
+    return axis_index(dim, rank)
 
 
 def piece_bounds(sizes: list[int]) -> tuple[tuple[int, int], ...]:
@@ -178,7 +178,7 @@ def match_selects_as_slices(
     if rank is None or rank == 0:
         return Declined("no tensor metadata on the select's input")
     value = node_value(source)
-    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank
+    dim = axis_index(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), rank)
     declined = first_declined(
         lambda: rank_held(rank, "input"),
         lambda: _pieces_by_index(node) if node.target is aten.unbind.int else None,

@@ -6,7 +6,8 @@
 
 """static_shape and rank_of: read from meta["val"]; a symbolic size is no static shape.
 node_value, tensor_value, argument_values and shapes_known_equal: any value, a tensor
-value, an op's arguments as values, and shapes equal at every size."""
+value, an op's arguments as values, and shapes equal at every size. axis_index and
+is_last_axis: which axis an op's dim argument names."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch
 
 from etfold.exir.passes.node_shapes import (
     argument_values,
+    axis_index,
+    is_last_axis,
     node_value,
     rank_of,
     shapes_known_equal,
@@ -96,3 +99,15 @@ def test_argument_values_replace_nodes_at_any_depth_and_keep_the_rest():
 def test_argument_values_of_a_node_without_a_value_is_none():
     graph = torch.fx.Graph()
     assert argument_values([graph.placeholder("x"), 2]) == [None, 2]
+
+
+def test_a_negative_dim_counts_from_the_end():
+    assert [axis_index(d, 3) for d in (-3, -2, -1, 0, 1, 2)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_the_last_axis_is_minus_one_or_rank_minus_one_and_nothing_else():
+    for rank in (1, 2, 4):
+        last = [d for d in range(-rank, rank) if is_last_axis(d, rank)]
+        assert last == [-1, rank - 1] if rank > 1 else last == [-1, 0]
+    assert not is_last_axis(None, 2) and not is_last_axis([1], 2) and not is_last_axis(True, 2)
+    assert not is_last_axis(0, 0)  # a rank-0 tensor has no axis
