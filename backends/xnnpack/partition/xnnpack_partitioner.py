@@ -65,6 +65,19 @@ _KEPT_OUT: contextvars.ContextVar[frozenset | set] = contextvars.ContextVar(
 )
 
 
+def _raise_if_nothing_new(partitioner: str, kept_out_now: list, kept_out_before: set) -> None:
+    """A round of re-partitioning must keep out a node no round kept out before: one
+    that keeps out only nodes already kept out would be followed by the same round."""
+    if kept_out_now and not set(kept_out_now) <= kept_out_before:
+        return
+    names = ", ".join(sorted({n.name for n in kept_out_now})) or "no node"
+    raise RuntimeError(
+        f"{partitioner}.generate_partitions: re-partitioning repeated itself: a round "
+        f"kept out {names}, none of it new, so the next round would draw the same "
+        "partitions; stopped instead of repeating forever"
+    )
+
+
 class XnnpackPartitioner(UpstreamXnnpackPartitioner):
     def __init__(
         self,
@@ -190,7 +203,11 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
 
     def generate_partitions(self, ep: ExportedProgram):
         """Upstream's partitions, re-drawn until no constant needs two forms in one delegate
-        and no delegate would return a value beside its dropped copy."""
+        and no delegate would return a value beside its dropped copy.
+
+        Each round that is not the last keeps out of the delegates at least one node no
+        round kept out before, or raises `RuntimeError`: so there are at most as many
+        rounds as the graph has nodes, plus the last."""
         kept_out: set = set(clones_of_returned_values(ep))
         token = _KEPT_OUT.set(kept_out)
         try:
@@ -199,12 +216,13 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
                 conflicts = find_layout_conflicts(ep, (p.nodes for p in partitions))
                 for conflict in conflicts:
                     record_declined(LAYOUT_FOLD, conflict.constant.name, conflict.reason)
-                    kept_out.update(conflict.kept_out)
                 doubled = (
                     [] if conflicts else clones_beside_their_source(p.nodes for p in partitions)
                 )
                 if not conflicts and not doubled:
                     return partitions
-                kept_out.update(doubled)
+                again = [n for c in conflicts for n in c.kept_out] + doubled
+                _raise_if_nothing_new(type(self).__name__, again, kept_out)
+                kept_out.update(again)
         finally:
             _KEPT_OUT.reset(token)
