@@ -16,7 +16,6 @@ Drop-in: the same constructor arguments as upstream's, plus
 from __future__ import annotations
 
 import contextvars
-import sys
 
 from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
@@ -51,7 +50,6 @@ from etfold.backends.xnnpack.partition.marked_partitions import tags_holding, wi
 from etfold.backends.xnnpack.partition.pre_decomposition_rewrites import run_rewrites
 from etfold.backends.xnnpack.partition.shape_op_partitions import settle_shape_op_views
 from etfold.backends.xnnpack.partition.weight_fold_ownership import own_folded_constants
-from etfold.backends.xnnpack.partitioner_caller_check import called_through_deprecated_to_backend
 from etfold.decisions import record_declined
 from etfold.exir.program.lower import mark_for_lowering
 from etfold.exir.program.method_marks import methods_judged
@@ -112,8 +110,10 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         computes (which buffers another method writes, which constants several read),
         computed here on copies from every method of the call: the user's programs are
         only read. Already marked, or outside a lowering: the program as it came."""
+        if methods_judged(exported_program):
+            return exported_program
         lowering = upstream_lowering_in_progress()
-        if lowering is None or methods_judged(exported_program):
+        if lowering is None:
             return exported_program
         judged = copy_for_rewrite(exported_program)
         copies = {
@@ -163,10 +163,6 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
                 return keep(node)
 
         return ops, keep_under_bf16_settings
-
-    def _check_if_called_from_to_backend(self) -> bool:
-        """Upstream's verdict, told from the frames without reading each caller's source."""
-        return called_through_deprecated_to_backend(sys._getframe(1))
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         configs = self.target_partitioner_configs.values()
