@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from etfold.exir.passes.node_shapes import node_value
 from etfold.report import UserInputError
 
 RANDOM_CALIBRATION_WARNING = (
@@ -36,7 +37,7 @@ def input_shapes(program) -> list[tuple[int | None, ...]]:
     shapes = []
     for node in program.graph.nodes:
         if node.op == "placeholder" and node.name in names:
-            sizes = getattr(node.meta.get("val"), "shape", ())
+            sizes = getattr(node_value(node), "shape", ())
             shapes.append(tuple(s if isinstance(s, int) else None for s in sizes))
     return shapes
 

@@ -12,6 +12,11 @@ those are the releases it supports (the package metadata pins executorch to
 1.5.1). `import etfold` warns once, with `UnsupportedVersionWarning`, when
 another release is installed.
 
+`RELEASES` is the one version table: the releases supported, which the import
+warning checks, and the exact releases the lowering speed-ups were tested
+against (`exir/program/speedups.py`: any other switches them off). It sits in the
+toolkit layer, so every layer may read it.
+
 Versions are read from the packages' own `version.py` files without importing
 them: `import etfold` stays cheap and torch-free.
 """
@@ -23,8 +28,18 @@ import re
 import warnings
 from pathlib import Path
 
-# distribution -> the supported release, as a prefix of its public version
-SUPPORTED: dict[str, str] = {"executorch": "1.5.1", "torch": "2.13."}
+# distribution -> (the supported release, as a prefix of its public version when it ends
+# in "."; the exact releases the lowering speed-ups were written and tested against)
+RELEASES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "executorch": ("1.5.1", ("1.5.1",)),
+    "torch": ("2.13.", ("2.13.0",)),
+}
+SUPPORTED: dict[str, str] = {name: supported for name, (supported, _) in RELEASES.items()}
+
+
+def tested_releases() -> dict[str, tuple[str, ...]]:
+    """Distribution -> the exact releases the lowering speed-ups were tested against."""
+    return {name: tested for name, (_, tested) in RELEASES.items()}
 
 
 class UnsupportedVersionWarning(UserWarning):
@@ -32,7 +47,9 @@ class UnsupportedVersionWarning(UserWarning):
 
 
 def supported_text() -> str:
-    return "executorch 1.5.1 with torch 2.13.x"
+    """`executorch 1.5.1 with torch 2.13.x`: a prefix release reads as any patch of it."""
+    executorch, torch = (SUPPORTED[n] for n in ("executorch", "torch"))
+    return f"executorch {executorch} with torch {torch}{'x' if torch.endswith('.') else ''}"
 
 
 def installed_version(package: str) -> str | None:

@@ -25,6 +25,7 @@ LAYERS = (
         "toolkit",
         (
             "etfold.decisions",
+            "etfold.versions",
             "etfold.exir.passes.graph_walk",
             "etfold.exir.program.working_copy",
             "etfold.exir.program.reentrant_patch",

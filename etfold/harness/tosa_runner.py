@@ -27,6 +27,7 @@ from executorch.exir import EdgeProgramManager
 from executorch.exir import to_edge_transform_and_lower as upstream_to_edge_transform_and_lower
 from torch.export import ExportedProgram
 
+from etfold.exir.passes.node_shapes import node_value
 from etfold.harness.histogram_search import histogram_search_on_numbers
 from etfold.harness.inspection import (
     delegate_count,
@@ -213,7 +214,7 @@ class _ReferenceModelInterpreter(torch.fx.Interpreter):
         if lowered.backend_id != "TOSABackend":
             raise RuntimeError(f"not a TOSA delegate: {lowered.backend_id}")
         output_node = lowered.original_module.graph.output_node()
-        output_like = [n.meta["val"] for n in output_node.args[0]]
+        output_like = [node_value(n) for n in output_node.args[0]]
         outputs = run_tosa_graph(lowered.processed_bytes, delegate_inputs, output_like)
         self.codes.extend(outputs)
         self.delegates_run += 1

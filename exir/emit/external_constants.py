@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import ExportGraphSignature, InputKind
+from torch.export.graph_signature import ExportGraphSignature
 
-from etfold.exir.passes.graph_walk import stored_value, tensor_digest
+from etfold.exir.passes.graph_walk import STATE_KINDS, stored_value, tensor_digest
 from etfold.exir.program.buffer_marks import state_writes
 
 
@@ -96,16 +96,13 @@ def check_external_constant_names(programs: Mapping[str, ExportedProgram]) -> No
         )
 
 
-_STORED_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
-
-
 def _stored_constants(programs: Mapping[str, ExportedProgram]):
     """(method, name, tensor) of every stored input but written state: a buffer written
     under one name in several methods is state they share, and keeps its name."""
     written = {fqn for program in programs.values() for fqn in state_writes(program)}
     for method, program in programs.items():
         for spec in program.graph_signature.input_specs:
-            if spec.kind in _STORED_KINDS and spec.target not in written | {None}:
+            if spec.kind in STATE_KINDS and spec.target not in written | {None}:
                 value = stored_value(program, spec.kind, spec.target, spec.persistent)
                 if isinstance(value, torch.Tensor):
                     yield method, spec.target, value

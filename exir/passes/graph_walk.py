@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -377,9 +377,24 @@ def is_channels_last(value) -> bool:
     )
 
 
+def call_with_value(
+    graph: torch.fx.Graph, target, args: tuple, value: object, meta: dict | None = None
+) -> torch.fx.Node:
+    """`target(*args)` at the graph's insertion point, its fake value `value`: the node
+    gets a copy of `meta` (a node's metadata it stands in for) with that value, or, with
+    no `meta`, only the value."""
+    node = graph.call_function(target, args)
+    if meta is None:
+        node.meta["val"] = value
+    else:
+        node.meta = {**meta, "val": value}
+    return node
+
+
 def insert_to_copy(graph: torch.fx.Graph, value: torch.fx.Node, **kwargs) -> torch.fx.Node:
     """`aten._to_copy(value, **kwargs)` at the graph's insertion point, with its `val`."""
     copied = graph.call_function(torch.ops.aten._to_copy.default, (value,), kwargs)
+    # graph_walk sits below node_shapes (which imports it): it reads the fake value itself
     copied.meta["val"] = torch.ops.aten._to_copy.default(value.meta["val"], **kwargs)
     return copied
 
@@ -464,37 +479,76 @@ def _taken_names(
     return taken
 
 
+NAME_DIGEST_LENGTH = 10  # hex digits of `tensor_digest` in a constant's name
+
+
+def constant_names(stem: str, value: torch.Tensor, reader: str | None = None) -> list[str]:
+    """The names a new constant holding `value` may take, in the order they are tried:
+    `stem`, the caller's source and expression (`conv_weight_mul_<digest of s>`); then
+    `<stem>_<digest of value>`; then, with a `reader`, `<stem>_<digest>_for_<reader>`."""
+    digested = f"{stem}_{tensor_digest(value, NAME_DIGEST_LENGTH)}"
+    return [stem, digested, *([f"{digested}_for_{reader}"] if reader else [])]
+
+
 def fresh_constant_name(
     graph_module: torch.fx.GraphModule,
     exported_program: ExportedProgram | None,
-    candidates: Iterable[str],
+    stem: str,
+    value: torch.Tensor,
+    reader: str | None = None,
 ) -> str:
-    """The first candidate no node, attribute or program entry uses yet.
+    """The name of a new constant holding `value`: the one rule every etfold pass names
+    its constants by, deterministic and never a counter.
 
-    Candidates are derived from a source and an expression, so a clash means the
-    same expression already exists for another reader; the caller passes a more
-    specific candidate next. Running out is a bug, not a fold decision.
+    The first of `constant_names(stem, value, reader)`, dots as underscores, that no
+    node, attribute or program entry holds yet. So a constant is named from its
+    source and expression; when that name is held (by another value, or by this value
+    for another reader) the value's digest makes it fresh, and when that is held too
+    (the same value from the same expression, already made for another reader) the
+    reader's name does. A new constant never shares a name, or a tensor, with one
+    another node reads; sharing an equal constant instead is the caller's choice
+    (`constant_holding`). Running out is a bug, not a fold decision.
     """
     taken = _taken_names(graph_module, exported_program)
-    tried = []
-    for candidate in candidates:
-        name = candidate.replace(".", "_")
-        if name not in taken:
-            return name
-        tried.append(name)
-    raise RuntimeError(f"no fresh constant name among {tried}")
+    names = [name.replace(".", "_") for name in constant_names(stem, value, reader)]
+    fresh = next((name for name in names if name not in taken), None)
+    if fresh is None:
+        raise RuntimeError(f"no fresh constant name among {names}")
+    return fresh
 
 
-def add_lifted_constant(ep: ExportedProgram, target: str, tensor: torch.Tensor) -> torch.fx.Node:
-    """A new lifted tensor constant `target` (a name the program does not hold yet) with
-    `tensor` as its value: its placeholder after the program's parameters, buffers and
+def equal_tensors(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and values."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def constant_holding(
+    ep: ExportedProgram, target: str, tensor: torch.Tensor
+) -> torch.fx.Node | None:
+    """The placeholder of the program's parameter, buffer or constant `target` when it
+    holds exactly `tensor` (`equal_tensors`); else None. What a pass that shares an
+    equal constant, rather than making a fresh one, asks."""
+    by_name = {n.name: n for n in placeholders(ep)}
+    for spec in ep.graph_signature.input_specs:
+        if spec.kind not in STATE_KINDS or spec.target != target:
+            continue
+        held = stored_value(ep, spec.kind, spec.target, spec.persistent)
+        if isinstance(held, torch.Tensor) and equal_tensors(held, tensor):
+            return by_name.get(spec.arg.name)
+    return None
+
+
+def add_lifted_constant(
+    ep: ExportedProgram, stem: str, tensor: torch.Tensor, reader: str | None = None
+) -> torch.fx.Node:
+    """A new lifted tensor constant holding `tensor`, named by `fresh_constant_name(stem,
+    tensor, reader)`: its placeholder after the program's parameters, buffers and
     constants (in torch.export's order), its input spec, its entry in `ep.constants`."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.export.graph_signature import InputSpec, TensorArgument
 
-    if target in ep.constants or target in ep.state_dict:
-        raise ValueError(f"the program already holds a constant named {target!r}")
+    target = fresh_constant_name(ep.graph_module, ep, stem, tensor, reader)
     kinds = input_kinds(ep)
     holders = placeholders(ep)
     rank = PLACEHOLDER_RANK[InputKind.CONSTANT_TENSOR]
@@ -510,6 +564,7 @@ def add_lifted_constant(ep: ExportedProgram, target: str, tensor: torch.Tensor) 
     with inserting:
         node = ep.graph.placeholder(target.replace(".", "_"))
     node.target = node.name
+    # graph_walk sits below node_shapes (which imports it): it reads the fake values itself
     fake_mode = detect_fake_mode([n.meta.get("val") for n in holders]) or FakeTensorMode()
     node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
     ep.constants[target] = tensor

@@ -31,6 +31,7 @@ import torch
 from torch.export import ExportedProgram
 
 from etfold.decisions import Declined, record_applied, record_declined
+from etfold.exir.passes.node_shapes import node_value
 from etfold.exir.program.working_copy import copy_for_rewrite
 
 Match = TypeVar("Match")
@@ -87,7 +88,7 @@ def fixed_sizes(program: ExportedProgram) -> dict[str, object]:
     """The symbolic sizes the program's shape environment has fixed at a number."""
     from torch._guards import detect_fake_mode
 
-    values = [n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"]
+    values = [node_value(n) for n in program.graph.nodes if n.op == "placeholder"]
     shape_env = getattr(detect_fake_mode(values), "shape_env", None)
     if shape_env is None:
         return {}

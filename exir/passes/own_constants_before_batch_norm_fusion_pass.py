@@ -53,6 +53,7 @@ from torch.fx import GraphModule, Node
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import (
     ConstantSource,
+    fresh_constant_name,
     known_placeholder,
     state_facts,
     underlying_op,
@@ -170,14 +171,6 @@ def match_batch_norm_sharing_gamma(
     return BatchNormSharingGamma(batch_norm) if known else None
 
 
-def _copy_name(source: str, layer: Node, taken: set[str]) -> str:
-    for candidate in (f"{source}_for_{layer.name}", f"{source}_for_{layer.name}_bn"):
-        name = candidate.replace(".", "_")
-        if name not in taken:
-            return name
-    raise RuntimeError(f"no fresh name for a copy of {source} read by {layer.name}")
-
-
 def own_constants_before_batch_norm_fusion(program: ExportedProgram) -> ExportedProgram:
     """`program` itself when no fused layer shares a constant; else a copy in which each
     does not. The layers whose output is also read elsewhere are left: the backend
@@ -186,13 +179,11 @@ def own_constants_before_batch_norm_fusion(program: ExportedProgram) -> Exported
     if not any(isinstance(m, BatchNormSharingGamma) or m.positions for m in matches):
         return program
     program = copy_for_rewrite(program)
-    taken = {n.name for n in program.graph.nodes} | set(program.state_dict) | set(program.constants)
     sources = {s.node: s for s in _known_sources(program)}
 
     def own_copy(reader: Node, position: int) -> None:
         source = sources[reader.args[position]]
-        copy = _copy_placeholder(program, source, _copy_name(source.fqn, reader, taken))
-        taken.update({copy.name, copy.target})
+        copy = _copy_placeholder(program, source, f"{source.fqn}_for_{reader.name}")
         reader.update_arg(position, copy)
 
     for match in _matches(program, record=False):
@@ -239,9 +230,10 @@ def _matches(
     ]
 
 
-def _copy_placeholder(program: ExportedProgram, source: ConstantSource, name: str) -> Node:
+def _copy_placeholder(program: ExportedProgram, source: ConstantSource, stem: str) -> Node:
     from executorch.backends.transforms.utils import create_constant_placeholder
 
+    name = fresh_constant_name(program.graph_module, program, stem, source.tensor)
     with program.graph.inserting_after(source.node):
         copy = create_constant_placeholder(
             program,
@@ -266,8 +258,6 @@ def own_constants_in_graph_module(graph_module: GraphModule) -> bool:
     torchao's `prepare_pt2e` fuses). A layer whose output something else also reads is
     duplicated for its batch norm, with constants of its own. True if anything changed."""
     graph = graph_module.graph
-    taken = {n.name for n in graph.nodes} | set(dict(graph_module.named_parameters()))
-    taken |= set(dict(graph_module.named_buffers())) | set(dir(graph_module))
     changed = False
     for node in list(graph.nodes):
         match = match_layer_sharing_constants(node, lambda n: n.op == "get_attr")
@@ -279,9 +269,8 @@ def own_constants_in_graph_module(graph_module: GraphModule) -> bool:
             constant = layer.args[position] if len(layer.args) > position else None
             if isinstance(constant, Node) and constant.op == "get_attr":
                 copy = _copy_attribute(
-                    graph_module, constant, _copy_name(constant.target, layer, taken)
+                    graph_module, constant, f"{constant.target}_for_{layer.name}"
                 )
-                taken |= {copy.name, copy.target}
                 layer.update_arg(position, copy)
         record_applied(FOLD, match.layer.name, _graph_module_detail(match))
         changed = True
@@ -297,9 +286,10 @@ def _layer_of_its_own(graph: torch.fx.Graph, match: LayerNeedsOwnConstants) -> N
     return layer
 
 
-def _copy_attribute(graph_module: GraphModule, constant: Node, name: str) -> Node:
+def _copy_attribute(graph_module: GraphModule, constant: Node, stem: str) -> Node:
     value = operator.attrgetter(constant.target)(graph_module)
     copied = value.detach().clone()
+    name = fresh_constant_name(graph_module, None, stem, copied)
     if isinstance(value, torch.nn.Parameter):
         graph_module.register_parameter(name, torch.nn.Parameter(copied, value.requires_grad))
     else:

@@ -32,6 +32,7 @@ import torch
 from executorch.exir.lowered_backend_module import LoweredBackendModule
 from torch.fx import GraphModule, Node
 
+from etfold.exir.passes.node_shapes import node_value
 from etfold.exir.program.reentrant_patch import PatchUnavailable, ReentrantPatch, Replacement
 
 _DEFINED_IN = "executorch.exir.verification.verifier"
@@ -89,7 +90,7 @@ def _describe_attribute(graph_module: GraphModule, target: str) -> tuple:
 def _describe_node(graph_module: GraphModule, node: Node) -> tuple:
     if node.op not in ("placeholder", "get_attr", "call_function", "output"):
         raise _Undescribed
-    value = node.meta.get("val")
+    value = node_value(node)
     if node.op == "placeholder" and "val" not in node.meta and node.users:
         raise _Undescribed  # upstream refuses the graph: let it say so
     if node.op == "call_function" and "val" not in node.meta:

@@ -16,7 +16,10 @@ those builders make (`LOWERING_BUILDERS`), and their deep copies, are torch's
 called or read; its `recompile()` also refreshes the pytree specs (`_in_spec`,
 `_out_spec`) that torch and torchao read without running the module. A graph
 module whose `forward` signature is read (dynamo's, a quantizer's, the user's)
-is built as torch builds it.
+is built as torch builds it. A builder is matched by its code object, so each is
+checked first to exist and to still build a graph module itself
+(`check_builds_graph_modules`); otherwise the patch is unavailable and the
+speed-ups are off, with a warning.
 
 Nothing lazy leaves the scope: when this context's outermost scope exits, every
 lazy module it built that is still alive becomes a plain `GraphModule` of
@@ -31,6 +34,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import inspect
 import sys
 import weakref
 from collections.abc import Iterator
@@ -81,13 +85,36 @@ def _lazy_class():
     return CodeOnFirstUse
 
 
-def _code_of(module: str, qualified_name: str):
+def _function_of(module: str, qualified_name: str):
     target = importlib.import_module(module)
     for name in qualified_name.split("."):
         target = getattr(target, name, None)
-    code = getattr(target, "__code__", None)
+    return target
+
+
+def _code_of(module: str, qualified_name: str):
+    code = getattr(_function_of(module, qualified_name), "__code__", None)
     if code is None:
         raise PatchUnavailable(f"{module}.{qualified_name} is gone")
+    return code
+
+
+# the names a builder calls a graph module into being by
+_GRAPH_MODULE_MAKERS = frozenset({"GraphModule", "_make_graph_module"})
+
+
+def check_builds_graph_modules(function: object, where: str) -> None:
+    """Raise `PatchUnavailable` unless `function`, looked through its decorators, still
+    builds a graph module itself: a builder that no longer does would be matched for
+    nothing, and the speed-up would be gone without a word."""
+    code = getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
+    if code is None or not _GRAPH_MODULE_MAKERS & set(code.co_names):
+        raise PatchUnavailable(f"{where} no longer builds a graph module itself")
+
+
+def _builder_code(module: str, qualified_name: str):
+    code = _code_of(module, qualified_name)
+    check_builds_graph_modules(_function_of(module, qualified_name), f"{module}.{qualified_name}")
     return code
 
 
@@ -119,7 +146,7 @@ def _replacements() -> list[Replacement]:
         raise PatchUnavailable("torch.fx._lazy_graph_module._LazyGraphModule is gone")
     if not isinstance(vars(GraphModule).get("__new__"), staticmethod):
         raise PatchUnavailable("torch.fx.GraphModule.__new__ is no longer a staticmethod")
-    builders = frozenset(_code_of(*builder) for builder in LOWERING_BUILDERS)
+    builders = frozenset(_builder_code(*builder) for builder in LOWERING_BUILDERS)
     make = _lazy_when_a_lowering_builds_it(lazy, builders, _code_of(*_LOOKED_THROUGH))
     return [Replacement(GraphModule, "__new__", make)]
 

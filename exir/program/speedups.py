@@ -39,14 +39,12 @@ from etfold.exir.program.lazy_graph_modules import (
 from etfold.exir.program.py_kernel_closures import PATCH as PY_KERNEL_CLOSURES
 from etfold.exir.program.reentrant_patch import PatchUnavailable, ReentrantPatch
 from etfold.exir.program.shared_provenance import PATCH as SHARED_PROVENANCE
+from etfold.versions import tested_releases
 
 ENVIRONMENT_SWITCH = "ETFOLD_SPEEDUPS"
 
-# distribution -> the versions the patches were written and tested against
-TESTED_VERSIONS: dict[str, tuple[str, ...]] = {
-    "torch": ("2.13.0",),
-    "executorch": ("1.5.1",),
-}
+# distribution -> the versions the patches were written and tested against (etfold.versions)
+TESTED_VERSIONS: dict[str, tuple[str, ...]] = tested_releases()
 
 TORCH_PATCHES: tuple[ReentrantPatch, ...] = (
     COMPOSITE_OP_LOOKUP,

@@ -5,7 +5,9 @@
 # LICENSE file in the root directory of this source tree.
 
 """One version policy: `import etfold` names the supported releases when another is
-installed, and reads the versions without importing torch or executorch."""
+installed, and reads the versions without importing torch or executorch. One table
+(`versions.RELEASES`) holds both what the import accepts and the exact releases the
+lowering speed-ups were tested against."""
 
 import os
 import subprocess
@@ -69,3 +71,23 @@ def test_import_etfold_warns_once_naming_what_is_supported(tmp_path):
     assert message.startswith("etfold supports executorch 1.5.1 with torch 2.13.x")
     assert "found executorch 1.6.0" in message
     assert imported == "False False"
+
+
+def test_one_table_gives_the_import_warning_and_the_speedups_their_releases():
+    from etfold.exir.program import speedups
+
+    assert versions.tested_releases() == speedups.TESTED_VERSIONS
+    for name, (supported, tested) in versions.RELEASES.items():
+        assert versions.SUPPORTED[name] == supported and tested
+        assert all(versions._matches(release, supported) for release in tested)
+    assert versions.supported_text() == "executorch 1.5.1 with torch 2.13.x"
+
+
+def test_a_supported_release_the_speedups_were_not_tested_on_turns_only_them_off(monkeypatch):
+    from etfold.exir.program import speedups
+
+    installed = {"executorch": "1.5.1", "torch": "2.13.1"}
+    monkeypatch.setattr(versions, "installed_version", installed.get)
+    monkeypatch.setattr(speedups, "_release", installed.get)
+    assert versions.unsupported() == []
+    assert speedups.untested_versions() == ["torch 2.13.1 (tested: 2.13.0)"]

@@ -10,8 +10,8 @@ A pass sees constants in one of two forms: a placeholder of an ExportedProgram
 (backend pipeline: parameter, buffer or lifted constant) or a `get_attr` of a
 bare GraphModule (annotation pipeline, where the module's tensors are the
 user's own). These helpers read, create and delete constants in either form,
-and never write into an existing tensor. A new constant's name comes from
-`graph_walk.fresh_constant_name`, which the XNNPACK passes share.
+and never write into an existing tensor. A new constant is named by
+`graph_walk.fresh_constant_name`, the rule every etfold pass names constants by.
 """
 
 from __future__ import annotations
@@ -21,9 +21,13 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
-from etfold.exir.passes.graph_walk import ConstantSource, known_placeholder, state_writes
-
-NAME_DIGEST_LENGTH = 10  # hex digits of `tensor_digest` in a new constant's name
+from etfold.exir.passes.graph_walk import (
+    ConstantSource,
+    fresh_constant_name,
+    known_placeholder,
+    state_writes,
+)
+from etfold.exir.passes.node_shapes import node_value
 
 
 def _get_attr_owner(
@@ -96,17 +100,20 @@ def create_constant(
     exported_program: ExportedProgram | None,
     *,
     like: Node,
-    name: str,
+    stem: str,
     data: torch.Tensor,
+    reader: str | None = None,
 ) -> Node:
-    """A new constant node holding `data`, of the same kind as `like`.
+    """A new constant node holding `data`, of the same kind as `like`, named
+    `fresh_constant_name(stem, data, reader)`.
 
     ExportedProgram: a placeholder (and signature entry) before the first
     placeholder. GraphModule: a new top-level attribute and a `get_attr` before
-    the first node. `name` must be fresh (see `fresh_constant_name`).
+    the first node.
     """
     graph = graph_module.graph
     data = data.detach()
+    name = fresh_constant_name(graph_module, exported_program, stem, data, reader)
     if exported_program is not None and like.op == "placeholder":
         from executorch.backends.transforms.utils import create_constant_placeholder
 
@@ -126,7 +133,7 @@ def create_constant(
         node = graph.get_attr(name)
     node.meta = {k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")}
     if "val" in like.meta:
-        fake = like.meta["val"]
+        fake = node_value(like)
         mode = getattr(fake, "fake_mode", None)
         node.meta["val"] = mode.from_tensor(data, static_shapes=True) if mode is not None else data
     return node

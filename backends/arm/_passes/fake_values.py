@@ -12,6 +12,7 @@ import torch
 from torch.fx import GraphModule
 
 from etfold.decisions import Declined
+from etfold.exir.passes.node_shapes import node_value
 
 
 def ensure_fake_values(graph_module: GraphModule) -> Declined | None:
@@ -25,7 +26,7 @@ def ensure_fake_values(graph_module: GraphModule) -> Declined | None:
     nodes = [n for n in graph_module.graph.nodes if n.op in ("placeholder", "call_function")]
     if all("val" in n.meta for n in nodes):
         return None
-    values = [n.meta.get("val") for n in nodes if n.op == "placeholder"]
+    values = [node_value(n) for n in nodes if n.op == "placeholder"]
     if not all(
         isinstance(v, torch.Tensor) and all(type(d) is int for d in v.shape) for v in values
     ):

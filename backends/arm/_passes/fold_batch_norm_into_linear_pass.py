@@ -35,11 +35,13 @@ from torch.fx import Node
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import (
     ConstantSource,
+    fresh_constant_name,
     known_placeholder,
     state_facts,
     underlying_op,
 )
 from etfold.exir.passes.node_rewrite_driver import matches_in
+from etfold.exir.passes.node_shapes import node_value
 from etfold.exir.passes.own_constants_before_batch_norm_fusion_pass import (
     is_inference_batch_norm,
 )
@@ -85,7 +87,7 @@ def match_linear_batch_norm(program: ExportedProgram, facts, node: Node):
     linear = node.args[0]
     if not isinstance(linear, Node) or underlying_op(linear.target) != _LINEAR:
         return None
-    value = linear.meta.get("val")
+    value = node_value(linear)
     if value is None or value.dim() != 2:
         return None  # batch norm over another axis than the linear's features
     if any(u.target is operator.getitem and u.args[1] != 0 for u in node.users):
@@ -151,10 +153,7 @@ def _fold(program: ExportedProgram, match: LinearBatchNorm) -> str:
 def _new_constant(program, like: ConstantSource, suffix: str, data: torch.Tensor) -> Node:
     from executorch.backends.transforms.utils import create_constant_placeholder
 
-    taken = {n.name for n in program.graph.nodes} | set(program.state_dict) | set(program.constants)
-    name = (like.fqn + suffix).replace(".", "_")
-    if name in taken:
-        raise RuntimeError(f"the fused constant's name {name} is taken")
+    name = fresh_constant_name(program.graph_module, program, like.fqn + suffix, data)
     with program.graph.inserting_after(like.node):
         return create_constant_placeholder(
             program, program.graph, name, like.kind, data.detach(), like.persistent

@@ -57,9 +57,8 @@ from etfold.backends.arm._passes.conv_arguments import (
 from etfold.backends.arm._passes.fake_values import ensure_fake_values
 from etfold.backends.arm._passes.layout_axes import Layout, axis_before_layout_op, layout_kind
 from etfold.decisions import Declined, record_declined
-from etfold.exir.passes.graph_walk import fresh_constant_name
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
-from etfold.exir.passes.node_shapes import rank_of
+from etfold.exir.passes.node_shapes import node_value, rank_of
 
 FOLD = "arm.dyt_affine_into_conv_float"
 
@@ -307,7 +306,7 @@ def match_float_affine(node: Node) -> FloatAffineMatch | Declined | None:
     for predicate in (layout_is_one_permute, affine_feeds_only_the_conv):
         if (declined := predicate(site)) is not None:
             return declined
-    value = site.output.meta.get("val")
+    value = node_value(site.output)
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         return Declined("the DyT output is not a tensor of known shape")
     channels = int(value.shape[site.channel_axis])
@@ -351,8 +350,9 @@ def rewrite_float_affine(graph_module: GraphModule, match: FloatAffineMatch) -> 
     graph = graph_module.graph
 
     def fresh(like: Node, stem: str, data: torch.Tensor) -> Node:
-        name = fresh_constant_name(graph_module, None, [stem, f"{stem}_for_{conv.node.name}"])
-        return create_constant(graph_module, None, like=like, name=name, data=data)
+        return create_constant(
+            graph_module, None, like=like, stem=stem, data=data, reader=conv.node.name
+        )
 
     weight_node = fresh(
         conv.weight_node, f"{conv.weight_node.target}_times_dyt_gamma", match.weight
@@ -366,7 +366,7 @@ def rewrite_float_affine(graph_module: GraphModule, match: FloatAffineMatch) -> 
     new_input: Node = site.tanh
     if match.shifted_beta is not None:
         beta_like = site.beta_arg if isinstance(site.beta_arg, Node) else conv.weight_node
-        beta_value = site.output.meta["val"]
+        beta_value = node_value(site.output)
         shifted = fresh(
             beta_like,
             f"{site.tanh.name}_dyt_beta_over_gamma",

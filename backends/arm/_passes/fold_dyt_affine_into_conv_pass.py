@@ -44,10 +44,7 @@ from executorch.exir.pass_base import ExportPass
 from torch.fx import GraphModule, Node
 
 from etfold.backends.arm._passes.channel_vectors import channel_vector, conv_input_channels
-from etfold.backends.arm._passes.constants import (
-    NAME_DIGEST_LENGTH,
-    create_constant,
-)
+from etfold.backends.arm._passes.constants import create_constant
 from etfold.backends.arm._passes.conv_arguments import (
     NOT_A_LAYER,
     ConvArguments,
@@ -77,7 +74,6 @@ from etfold.backends.arm._passes.tosa_integer import (
     fits_int32,
 )
 from etfold.decisions import Declined
-from etfold.exir.passes.graph_walk import fresh_constant_name, tensor_digest
 from etfold.exir.passes.node_shapes import static_shape
 
 FOLD = "arm.dyt_affine_into_conv"
@@ -606,11 +602,8 @@ def _fresh_constant(
     conv: Node,
     data: torch.Tensor,
 ) -> Node:
-    base = f"{original.name}_dyt_folded_for_{conv.name}"
-    name = fresh_constant_name(
-        graph_module, exported_program, [base, f"{base}_{tensor_digest(data, NAME_DIGEST_LENGTH)}"]
-    )
-    return create_constant(graph_module, exported_program, like=original, name=name, data=data)
+    stem = f"{original.name}_dyt_folded_for_{conv.name}"
+    return create_constant(graph_module, exported_program, like=original, stem=stem, data=data)
 
 
 def rewrite_affine_into_conv(

@@ -38,10 +38,7 @@ from executorch.exir import ExportedProgram
 from executorch.exir.pass_base import ExportPass
 from torch.fx import GraphModule, Node
 
-from etfold.backends.arm._passes.constants import (
-    NAME_DIGEST_LENGTH,
-    create_constant,
-)
+from etfold.backends.arm._passes.constants import create_constant
 from etfold.backends.arm._passes.dyt_match import (
     MUL,
     TABLE,
@@ -56,7 +53,7 @@ from etfold.backends.arm._passes.dyt_match import (
 from etfold.backends.arm._passes.npu_costs import table_stays_fused
 from etfold.backends.arm._passes.tosa_integer import Rescale, fits_int32
 from etfold.decisions import Declined
-from etfold.exir.passes.graph_walk import fresh_constant_name, tensor_digest
+from etfold.exir.passes.node_shapes import node_value
 
 FOLD = "arm.dyt_alpha_into_lut"
 
@@ -136,7 +133,7 @@ def activation_is_int8_rescale(activation_operand: Node) -> Declined | None:
             "the activation operand is not a plain int8->int32 RESCALE (reshaped or unquantized)"
         )
     source = activation_operand.args[0]
-    value = source.meta.get("val")
+    value = node_value(source)
     if not isinstance(value, torch.Tensor) or value.dtype != torch.int8:
         return Declined("the activation feeding the multiply is not int8")
     return None
@@ -253,16 +250,12 @@ def rewrite_alpha_into_table(
     exported_program: ExportedProgram, graph_module: GraphModule, match: AlphaIntoTableMatch
 ) -> Node:
     graph = graph_module.graph
-    name = fresh_constant_name(
+    table_constant = create_constant(
         graph_module,
         exported_program,
-        [
-            f"b_{match.tanh.name}_dyt_table_constant",
-            f"b_{match.tanh.name}_dyt_table_constant_{tensor_digest(match.table, NAME_DIGEST_LENGTH)}",
-        ],
-    )
-    table_constant = create_constant(
-        graph_module, exported_program, like=match.table_like, name=name, data=match.table
+        like=match.table_like,
+        stem=f"b_{match.tanh.name}_dyt_table_constant",
+        data=match.table,
     )
     with graph.inserting_before(match.tanh):
         table = create_node(

@@ -55,7 +55,6 @@ from torch.fx.passes.infra.pass_base import PassResult
 from etfold.backends.arm._passes.carried_state import carried_region
 from etfold.backends.arm._passes.channel_vectors import channel_vector
 from etfold.backends.arm._passes.constants import (
-    NAME_DIGEST_LENGTH,
     constant_tensor,
     create_constant,
     delete_constant_if_unused,
@@ -73,9 +72,9 @@ from etfold.backends.arm._passes.npu_costs import (
 from etfold.backends.arm._passes.op_families import is_inference_noop
 from etfold.backends.arm._passes.twin_layers import meet, twin_layers
 from etfold.decisions import Declined
-from etfold.exir.passes.graph_walk import fresh_constant_name, tensor_digest, underlying_op
+from etfold.exir.passes.graph_walk import NAME_DIGEST_LENGTH, tensor_digest, underlying_op
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
-from etfold.exir.passes.node_shapes import static_shape
+from etfold.exir.passes.node_shapes import node_value, static_shape
 
 FOLD = "arm.scalar_mul_into_conv"
 
@@ -218,7 +217,7 @@ def has_single_user(conv: Node, mul: Node, chain: tuple[Node, ...] = ()) -> bool
 
 
 def has_shape_metadata(*nodes: Node) -> bool:
-    return all(isinstance(n.meta.get("val"), torch.Tensor) for n in nodes)
+    return all(isinstance(node_value(n), torch.Tensor) for n in nodes)
 
 
 def is_float_conv(pass_: ArmPass, conv: Node, mul: Node, weight: torch.Tensor) -> bool:
@@ -287,13 +286,13 @@ def varies_only_along_channels(
 
 
 def keeps_conv_output(conv: Node, mul: Node) -> bool:
-    conv_val, mul_val = conv.meta["val"], mul.meta["val"]
+    conv_val, mul_val = node_value(conv), node_value(mul)
     return conv_val.shape == mul_val.shape and conv_val.dtype == mul_val.dtype
 
 
 def channel_axis_at(arguments: ConvArguments, chain: tuple[Node, ...]) -> int | None:
     """The layer's output-channel axis as the multiply sees it, or None if the chain mixes it."""
-    axis: int | None = arguments.output_channel_axis(arguments.node.meta["val"].dim())
+    axis: int | None = arguments.output_channel_axis(node_value(arguments.node).dim())
     for node in chain:
         axis = channel_axis_after(node, axis)
         if axis is None:
@@ -437,7 +436,7 @@ class FoldScalarMulIntoConvPass(ArmPass):
         channel_axis = channel_axis_at(arguments, chain)
         if channel_axis is None:
             return Declined(CHANNELS_MIXED)
-        output_shape = operand.meta["val"].shape
+        output_shape = node_value(operand).shape
         if not varies_only_along_channels(scale_tensor, output_shape, out_channels, channel_axis):
             return Declined(SCALE_NOT_CHANNELWISE)
         if not keeps_conv_output(operand, mul):
@@ -477,18 +476,27 @@ class FoldScalarMulIntoConvPass(ArmPass):
         folded_weight = scaled_weight(m.weight_tensor.detach(), scale, m.transposed, m.groups)
         digest = tensor_digest(scale, NAME_DIGEST_LENGTH)
 
-        def fresh(source: Node) -> str:
-            base = f"{source.target if source.op == 'get_attr' else source.name}_mul_{digest}"
-            return fresh_constant_name(graph_module, program, [base, f"{base}_{m.conv.name}"])
+        def stem(source: Node) -> str:
+            return f"{source.target if source.op == 'get_attr' else source.name}_mul_{digest}"
 
         new_weight = create_constant(
-            graph_module, program, like=m.weight, name=fresh(m.weight), data=folded_weight
+            graph_module,
+            program,
+            like=m.weight,
+            stem=stem(m.weight),
+            data=folded_weight,
+            reader=m.conv.name,
         )
         set_conv_argument(m.conv, "weight", new_weight)
         if m.bias is not None:
             folded_bias = m.bias_tensor.detach() * scale.to(m.bias_tensor.dtype)
             new_bias = create_constant(
-                graph_module, program, like=m.bias, name=fresh(m.bias), data=folded_bias
+                graph_module,
+                program,
+                like=m.bias,
+                stem=stem(m.bias),
+                data=folded_bias,
+                reader=m.conv.name,
             )
             set_conv_argument(m.conv, "bias", new_bias)
 

@@ -27,7 +27,7 @@ from torch.fx import GraphModule, Node
 
 from etfold.decisions import Declined
 from etfold.exir.passes.node_rewrite_driver import rewrite_each_match
-from etfold.exir.passes.node_shapes import rank_of
+from etfold.exir.passes.node_shapes import node_value, rank_of
 
 FOLD = "arm.higher_rank_operand_first"
 
@@ -48,7 +48,7 @@ def match_lower_rank_first(node: Node) -> LowerRankFirst | Declined | None:
     ranks = rank_of(first), rank_of(second)
     if None in ranks or ranks[0] >= ranks[1]:
         return None
-    values = [a.meta["val"] for a in (first, second)]
+    values = [node_value(a) for a in (first, second)]
     if not all(v.dtype.is_floating_point for v in values):
         return None  # the integer graph is not this pass's: upstream's order stays
     if values[0].dtype != values[1].dtype:

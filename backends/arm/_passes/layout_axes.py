@@ -23,7 +23,7 @@ import torch
 from torch.fx import Node
 
 from etfold.exir.passes.graph_walk import underlying_op
-from etfold.exir.passes.node_shapes import static_shape
+from etfold.exir.passes.node_shapes import axis_index, static_shape
 
 
 class Layout(enum.Enum):
@@ -75,7 +75,7 @@ def axis_through_view(source: tuple[int, ...], result: tuple[int, ...], axis: in
 
 def _transposed_pair(node: Node, rank: int) -> tuple[int, int]:
     dims = (0, 1) if len(node.args) < 3 else (int(node.args[1]), int(node.args[2]))
-    return dims[0] % rank, dims[1] % rank
+    return axis_index(dims[0], rank), axis_index(dims[1], rank)
 
 
 def axis_after_layout_op(node: Node, axis: int | None) -> int | None:

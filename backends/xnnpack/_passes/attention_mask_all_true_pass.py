@@ -52,7 +52,7 @@ class MaskAllTrue:
 
 def _bool_mask(node: Node) -> Node | None:
     mask = node.args[MASK_AT] if len(node.args) > MASK_AT else node.kwargs.get("attn_mask")
-    value = node_value(mask) if isinstance(mask, Node) else None
+    value = node_value(mask)
     return mask if value is not None and value.dtype is torch.bool else None
 
 

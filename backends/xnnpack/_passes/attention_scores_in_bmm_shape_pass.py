@@ -53,7 +53,12 @@ from etfold.backends.xnnpack._passes.decomposed_first import decomposed_for
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import sizes_known_equal, symbolic_axes
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import node_value, shapes_known_equal
+from etfold.exir.passes.node_shapes import (
+    argument_values,
+    is_last_axis,
+    node_value,
+    shapes_known_equal,
+)
 
 FOLD = "xnnpack.attention_scores_in_bmm_shape"
 
@@ -72,7 +77,7 @@ GUARD = frozenset(
         aten.where.self,
     }
 )
-LAST_DIM = (-1, 3)
+SCORES_RANK = 4  # the region reads view(bmm, [1, H, t, u])
 
 
 @dataclass(frozen=True)
@@ -114,9 +119,13 @@ def _region_op(node: Node) -> bool:
         return False
     if _is_identity_expand(node) or node.target in ELEMENTWISE or node.target in GUARD:
         if node.target is aten.any.dim:
-            return len(node.args) == 3 and node.args[1] in LAST_DIM and node.args[2] is True
+            return (
+                len(node.args) == 3
+                and is_last_axis(node.args[1], SCORES_RANK)
+                and node.args[2] is True
+            )
         return True
-    return node.target is aten._softmax.default and node.args[1] in LAST_DIM
+    return node.target is aten._softmax.default and is_last_axis(node.args[1], SCORES_RANK)
 
 
 def _outside_inputs(node: Node, inside: set[Node]) -> list[Node]:
@@ -210,8 +219,7 @@ def rewrite_scores_chain(match: ScoresChain) -> None:
         if node.target in (aten._softmax.default, aten.any.dim):
             args[1] = -1
         node.args = tuple(args)
-        operands = [node_value(a) if isinstance(a, Node) else a for a in args]
-        node.meta["val"] = node.target(*operands, **node.kwargs)
+        node.meta["val"] = node.target(*argument_values(args), **node.kwargs)
     match.lowered.replace_all_uses_with(match.lowered.args[0])
     graph.erase_node(match.lowered)
     graph.erase_node(match.lifted)

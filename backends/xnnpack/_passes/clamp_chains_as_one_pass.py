@@ -36,6 +36,7 @@ from torch.fx import Node
 
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_shapes import node_value
 
 FOLD = "xnnpack.clamp_chains_as_one"
 
@@ -51,7 +52,7 @@ def clamp_range(node: Node) -> tuple[float, float] | Declined | None:
     """The range a relu, relu6 or hardtanh clamps a float tensor into; None for any other node."""
     if node.op != "call_function" or node.target not in _DEFAULT_RANGES:
         return None
-    value = node.meta.get("val")
+    value = node_value(node)
     if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
         return None
     low, high = _DEFAULT_RANGES[node.target]

@@ -30,6 +30,7 @@ from etfold.backends.xnnpack._passes.last_axis_normalizations import (
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import convert_every_use, insert_to_copy, is_channels_last
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_shapes import node_value
 
 FOLD = "xnnpack.contiguous_last_axis_input"
 
@@ -51,9 +52,9 @@ def match_channels_last_normalization(
     source = node.args[0]
     if not isinstance(source, torch.fx.Node) or "val" not in source.meta:
         return Declined(f"`{node.name}` has no tensor metadata on its input")
-    if not is_channels_last(source.meta["val"]):
+    if not is_channels_last(node_value(source)):
         return None
-    return ChannelsLastNormalization(node, source, is_channels_last(node.meta.get("val")))
+    return ChannelsLastNormalization(node, source, is_channels_last(node_value(node)))
 
 
 VALUE_PRESERVING_COPIES = frozenset(
@@ -71,7 +72,7 @@ def contiguous_original(source: torch.fx.Node) -> torch.fx.Node | None:
     node = source
     while node.op == "call_function" and node.target in VALUE_PRESERVING_COPIES:
         original = node.args[0]
-        value, before = node.meta.get("val"), getattr(original, "meta", {}).get("val")
+        value, before = node_value(node), node_value(original)
         if not isinstance(before, torch.Tensor) or not isinstance(value, torch.Tensor):
             return None
         if before.dtype != value.dtype or before.shape != value.shape:
@@ -89,7 +90,7 @@ def rewrite_channels_last_normalization(match: ChannelsLastNormalization) -> Non
         if contiguous is None:
             contiguous = insert_to_copy(graph, match.source, memory_format=torch.contiguous_format)
         node.replace_input_with(match.source, contiguous)
-    node.meta["val"] = node.meta["val"].contiguous()
+    node.meta["val"] = node_value(node).contiguous()
     if match.output_channels_last:
         convert_every_use(graph, node, memory_format=torch.channels_last)
     record_applied(

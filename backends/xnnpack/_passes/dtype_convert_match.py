@@ -28,6 +28,7 @@ from torch.export import ExportedProgram
 
 from etfold.decisions import Declined
 from etfold.exir.passes.graph_walk import ancestors
+from etfold.exir.passes.node_shapes import tensor_value
 
 FOLD = "xnnpack.delegate_dtype_convert"
 
@@ -60,21 +61,16 @@ def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _tensor_meta(node: torch.fx.Node) -> torch.Tensor | None:
-    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def is_copy(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and node.target in COPY_TARGETS
 
 
 def has_tensor_meta(node: torch.fx.Node) -> bool:
-    return _tensor_meta(node) is not None and _tensor_meta(node.args[0]) is not None
+    return tensor_value(node) is not None and tensor_value(node.args[0]) is not None
 
 
 def changes_dtype(node: torch.fx.Node) -> bool:
-    return _tensor_meta(node).dtype != _tensor_meta(node.args[0]).dtype
+    return tensor_value(node).dtype != tensor_value(node.args[0]).dtype
 
 
 def is_fp32_pair(source: torch.dtype, target: torch.dtype) -> bool:
@@ -96,7 +92,7 @@ def _requested_layout_matches(node: torch.fx.Node, source: torch.Tensor) -> bool
 
 def keeps_layout(node: torch.fx.Node) -> bool:
     """The copy asks for the layout its input already has, and its output has it."""
-    source, result = _tensor_meta(node.args[0]), _tensor_meta(node)
+    source, result = tensor_value(node.args[0]), tensor_value(node)
     return _requested_layout_matches(node, source) and tuple(result.dim_order()) == tuple(
         source.dim_order()
     )
@@ -160,7 +156,7 @@ def match_dtype_convert(node: torch.fx.Node) -> DtypeConvert | Declined:
         return Declined("not a _to_copy or _to_dim_order_copy")
     if not has_tensor_meta(node):
         return Declined("no tensor metadata on the copy or its input")
-    source, target = _tensor_meta(node.args[0]).dtype, _tensor_meta(node).dtype
+    source, target = tensor_value(node.args[0]).dtype, tensor_value(node).dtype
     if not changes_dtype(node):
         return Declined("the copy keeps its dtype")
     if not is_fp32_pair(source, target):
@@ -192,7 +188,7 @@ def float_converts_outside_delegates(program: ExportedProgram) -> Counter[str]:
     for node in program.graph_module.graph.nodes:
         if not (_is_copy_by_name(node) and has_tensor_meta(node) and changes_dtype(node)):
             continue
-        source, target = _tensor_meta(node.args[0]).dtype, _tensor_meta(node).dtype
+        source, target = tensor_value(node.args[0]).dtype, tensor_value(node).dtype
         if not (source.is_floating_point and target.is_floating_point):
             continue
         counts["activation" if reads_user_input(node, program) else "constant"] += 1

@@ -28,6 +28,7 @@ import torch
 
 from etfold.decisions import Declined
 from etfold.exir.passes.graph_walk import describe_axes, sizes_known_equal, symbolic_axes
+from etfold.exir.passes.node_shapes import node_value
 
 
 def is_dynamic(value: object) -> bool:
@@ -74,7 +75,7 @@ def slice_arguments(node: torch.fx.Node) -> SliceArguments:
 
 def dynamic_slice_declined(node: torch.fx.Node) -> Declined | None:
     """`slice_resizes_at_runtime` for a `slice(x, dim, start, end, step)` node (step 1)."""
-    source, out = node.args[0].meta.get("val"), node.meta.get("val")
+    source, out = node_value(node.args[0]), node_value(node)
     if not isinstance(source, torch.Tensor) or not isinstance(out, torch.Tensor):
         return Declined("no tensor metadata on the slice or its input")
     dim, start, end, step = slice_arguments(node)

@@ -52,6 +52,7 @@ from etfold.backends.xnnpack._passes.delegated_floats import (
 from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.graph_walk import describe_axes, sizes_known_equal
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_shapes import axis_index, node_value
 
 FOLD = "xnnpack.elementwise_before_slices"
 
@@ -100,7 +101,7 @@ class Sliced:
 
     @property
     def size(self) -> object:
-        return self.source.meta["val"].shape[self.axis]
+        return node_value(self.source).shape[self.axis]
 
     def bounds(self) -> tuple[int, int]:
         """(start, end) clamped to the static size along the axis."""
@@ -135,14 +136,14 @@ def _sliced(node: object) -> Sliced | None:
         return None
     if node.target is not aten.slice.Tensor:
         return None
-    source = node.args[0].meta.get("val")
+    source = node_value(node.args[0])
     if not isinstance(source, torch.Tensor) or source.dim() == 0:
         return None
     given = dict(zip(_SLICE_ARGUMENTS, node.args[1:], strict=False)) | node.kwargs
     dim, start, end, step = (given.get(name, default) for name, default in _SLICE_DEFAULTS)
     if step != 1:
         return None
-    return Sliced(node.args[0], dim % source.dim() - source.dim(), start, end)
+    return Sliced(node.args[0], axis_index(dim, source.dim()) - source.dim(), start, end)
 
 
 def _clamped(index: object, default: int, size: int) -> int:
@@ -196,7 +197,7 @@ def _reader_groups(source: torch.fx.Node, ops: Mapping) -> dict[tuple, list[torc
 
 def _growth_bounded(group: Hoisted) -> Declined | None:
     pieces = [_sliced(reader.args[0]) for reader in group.readers]
-    size, value = pieces[0].size, group.sources[0].meta["val"]
+    size, value = pieces[0].size, node_value(group.sources[0])
     if type(size) is not int:
         return Declined(
             f"dynamic shape: slices along {describe_axes(value, [value.dim() + group.axis])};"
@@ -215,7 +216,7 @@ def _sources_taken(sources: tuple, dtypes: Collection[torch.dtype]) -> Declined 
     for source in dict.fromkeys(sources):
         declined = first_declined(
             lambda s=source: not_quantized(s, "the op over it would need its own quantization"),
-            lambda s=source: dtype_taken(s.meta["val"], dtypes, "elementwise op"),
+            lambda s=source: dtype_taken(node_value(s), dtypes, "elementwise op"),
         )
         if declined is not None:
             return declined
@@ -234,7 +235,7 @@ def match_elementwise_before_slices(
     """The groups of ops reading slices of `node` (as their first operand) to hoist, a
     reason none is, or None when no op of `ops` (op -> its tensor operands) reads two
     slices of `node`."""
-    if not isinstance(node.meta.get("val"), torch.Tensor):
+    if not isinstance(node_value(node), torch.Tensor):
         return None
     hoisted, reasons = [], []
     for (op, sources, args, kwargs, axis), readers in _reader_groups(node, ops).items():
@@ -252,17 +253,17 @@ def match_elementwise_before_slices(
 def _hoist(group: Hoisted) -> None:
     graph, kwargs = group.readers[0].graph, dict(group.kwargs)
     first = next(node for node in graph.nodes if node in group.readers)
-    values = [source.meta["val"] for source in group.sources]
+    values = [node_value(source) for source in group.sources]
     with graph.inserting_before(first):
         whole = graph.call_function(group.op, (*group.sources, *group.args), kwargs)
     whole.meta = {**first.meta, "val": group.op(*values, *group.args, **kwargs)}
-    dim = whole.meta["val"].dim() + group.axis
+    dim = node_value(whole).dim() + group.axis
     for reader in group.readers:
         pieces = dict.fromkeys(reader.args[: len(group.sources)])
         start, end = _sliced(reader.args[0]).bounds()
         with graph.inserting_before(reader):
             part = graph.call_function(aten.slice.Tensor, (whole, dim, start, end))
-        part.meta = {**reader.args[0].meta, "val": reader.meta["val"]}
+        part.meta = {**reader.args[0].meta, "val": node_value(reader)}
         reader.replace_all_uses_with(part)
         graph.erase_node(reader)
         for piece in pieces:
@@ -275,7 +276,7 @@ def rewrite_elementwise_before_slices(match: ElementwiseBeforeSlices) -> None:
     for group in match.groups:
         _hoist(group)
         names = ", ".join(f"`{source.name}`" for source in group.sources)
-        dim = group.sources[0].meta["val"].dim() + group.axis
+        dim = node_value(group.sources[0]).dim() + group.axis
         record_applied(
             FOLD,
             match.source.name,

@@ -45,6 +45,7 @@ from etfold.decisions import Declined, first_declined, record_declined
 from etfold.exir.passes.graph_walk import (
     StateFacts,
     add_lifted_constant,
+    constant_holding,
     drop_unread,
     state_facts,
 )
@@ -143,7 +144,7 @@ def match_embedding(node: Node, judged: dict[str, Row | Declined]) -> EmbeddingA
 
 def rewrite_embedding(match: EmbeddingAsRow, program: ExportedProgram) -> str:
     node, row = match.node, match.row
-    constant = next((n for n in program.graph.nodes if n.name == row.name), None)
+    constant = constant_holding(program, row.name, row.value)  # embeddings of one row share it
     if constant is None:
         constant = add_lifted_constant(program, row.name, row.value)
     indices = node.args[1]

@@ -51,7 +51,7 @@ from etfold.exir.passes.graph_walk import (
     symbolic_axes,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_judged_on_a_copy
-from etfold.exir.passes.node_shapes import node_value
+from etfold.exir.passes.node_shapes import axis_index, node_value
 
 FOLD = "xnnpack.embedding_of_positions_as_table_slice"
 
@@ -89,7 +89,7 @@ def length_node(embedding: Node, indices: Node) -> Node | None:
     for node in embedding.graph.nodes:
         if node is embedding:
             break
-        value = node.meta.get("val")
+        value = node_value(node)
         same = isinstance(value, torch.SymInt) and value.node.expr == n.node.expr
         if same and indices not in ancestors(node):
             return node
@@ -107,7 +107,7 @@ def judge_positions(
     value = node_value(indices)
     if value is None or reads_user_values(indices, program):
         return None
-    if value.dim() < 1 or symbolic_axes(value) != (value.dim() - 1,):
+    if value.dim() < 1 or symbolic_axes(value) != (axis_index(-1, value.dim()),):
         return None  # static positions: constant propagation folds the lookup
     if not all(sizes_known_equal(size, 1) for size in value.shape[:-1]):
         return None

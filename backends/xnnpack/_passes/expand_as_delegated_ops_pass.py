@@ -78,7 +78,7 @@ from etfold.exir.passes.graph_walk import (
     symbolic_axes,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import rank_of
+from etfold.exir.passes.node_shapes import argument_values, axis_index, node_value, rank_of
 
 FOLD = "xnnpack.expand_as_delegated_ops"
 
@@ -106,7 +106,7 @@ class ExpandAsDelegatedOps:
 
 def _shapes(node: torch.fx.Node) -> tuple[tuple, tuple] | Declined:
     """The input's and the result's sizes (ints or symbolic), when no result is empty."""
-    source, out = node.args[0].meta["val"].shape, node.meta["val"].shape
+    source, out = node_value(node.args[0]).shape, node_value(node).shape
     if any(type(size) is int and size == 0 for size in out):
         return Declined(f"empty result {list(out)}: XNNPACK takes no empty tensors")
     return tuple(source), tuple(out)
@@ -147,7 +147,7 @@ def view_sizes(sizes: tuple) -> list[int]:
 def _operand_shape(value: object, node: torch.fx.Node, lifted: tuple) -> tuple:
     if value is node:
         return lifted
-    return tuple(value.meta["val"].shape) if isinstance(value, torch.fx.Node) else ()
+    return tuple(node_value(value).shape) if isinstance(value, torch.fx.Node) else ()
 
 
 def _same_sizes(a: tuple, b: tuple) -> bool:
@@ -163,14 +163,14 @@ def broadcasts_alike(
     for user in node.users:
         if user.target not in broadcasting or node in user.kwargs.values():
             return Declined(f"read by {user.name}, which does not broadcast it")
-        if not isinstance(user.meta.get("val"), torch.Tensor):
+        if not isinstance(node_value(user), torch.Tensor):
             return Declined(f"no tensor metadata on {user.name}")
         shapes = [_operand_shape(a, node, lifted) for a in user.args[:2]]
         try:
             broadcast = tuple(torch.broadcast_shapes(*shapes))
         except (RuntimeError, ValueError):  # a symbolic size it cannot decide on
             return Declined(f"the broadcast at {user.name} is not known when lowering")
-        if not _same_sizes(broadcast, tuple(user.meta["val"].shape)):
+        if not _same_sizes(broadcast, tuple(node_value(user).shape)):
             return Declined(f"the expand sets {user.name}'s shape on its own")
     return None
 
@@ -209,36 +209,30 @@ def match_expand(
     )
     if not repeats and view is None and (declined := not_returned(node)) is not None:
         return declined
-    if view is not None and (declined := views_infer_the_rest(source.meta["val"], "the input")):
+    if view is not None and (declined := views_infer_the_rest(node_value(source), "the input")):
         return declined
     if not repeats or broadcasts_alike(node, lifted, broadcasting) is None:
         return ExpandAsDelegatedOps(node, view, ())
     declined = first_declined(
         lambda: copies_known(lifted, out),
-        lambda: dtype_taken(source.meta["val"], dtypes, "copy along an axis"),
-        lambda: views_infer_the_rest(source.meta["val"], "the copied input"),
+        lambda: dtype_taken(node_value(source), dtypes, "copy along an axis"),
+        lambda: views_infer_the_rest(node_value(source), "the copied input"),
     )
     return declined if declined is not None else ExpandAsDelegatedOps(node, view, repeats)
-
-
-def _fake(value: object) -> object:
-    if isinstance(value, (list, tuple)):
-        return [_fake(v) for v in value]
-    return value.meta["val"] if isinstance(value, torch.fx.Node) else value
 
 
 def _insert(anchor: torch.fx.Node, target, *args) -> torch.fx.Node:
     """`target(*args)` before `anchor`, with `anchor`'s metadata and its own value."""
     with anchor.graph.inserting_before(anchor):
         node = anchor.graph.call_function(target, args)
-    node.meta = {**anchor.meta, "val": target(*(_fake(a) for a in args))}
+    node.meta = {**anchor.meta, "val": target(*argument_values(args))}
     return node
 
 
 def _cat_copies(anchor: torch.fx.Node, value: torch.fx.Node, axis: int, copies: int):
     """`copies` copies of `value` along `axis`; each cat takes 2 to 5 distinct-enough
     inputs (a view of `value` beside it in the first, the previous cat in later ones)."""
-    alias = _insert(anchor, aten.view.default, value, view_sizes(value.meta["val"].shape))
+    alias = _insert(anchor, aten.view.default, value, view_sizes(node_value(value).shape))
     pieces = [value, alias, *[value] * (copies - 2)]
     while len(pieces) > MAX_CAT_INPUTS:
         head = _insert(anchor, aten.cat.default, pieces[:MAX_CAT_INPUTS], axis)
@@ -249,8 +243,8 @@ def _cat_copies(anchor: torch.fx.Node, value: torch.fx.Node, axis: int, copies: 
 def _detail(match: ExpandAsDelegatedOps) -> str:
     if match.repeats:
         return ", ".join(f"{n} copies along axis {axis}" for axis, n in match.repeats)
-    source = match.lifted or tuple(match.node.args[0].meta["val"].shape)
-    if not _same_sizes(source, tuple(match.node.meta["val"].shape)):
+    source = match.lifted or tuple(node_value(match.node.args[0]).shape)
+    if not _same_sizes(source, tuple(node_value(match.node).shape)):
         readers = ", ".join(user.name for user in match.node.users)
         return f"dropped: {readers} broadcast its input"
     return "a no-op: its input is read instead" if match.lifted is None else "a view adding axes"
@@ -292,7 +286,7 @@ def match_cat_of_one_input(
     if rank_of(source) is None or rank_of(source) == 0:
         return Declined("no tensor metadata on the concatenated input")
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    value = source.meta["val"]
+    value = node_value(source)
     declined = first_declined(
         lambda: rank_held(value.dim(), "input"),
         lambda: not_quantized(source, "the copies would each need quantization"),
@@ -300,7 +294,9 @@ def match_cat_of_one_input(
         lambda: views_infer_the_rest(value, "the concatenated input"),
     )
     return (
-        declined if declined is not None else CatOfOneInput(node, dim % value.dim(), len(tensors))
+        declined
+        if declined is not None
+        else CatOfOneInput(node, axis_index(dim, value.dim()), len(tensors))
     )
 
 

@@ -185,7 +185,7 @@ def rewrite_index_as_view(match: IndexAsView) -> None:
     graph.erase_node(index)
     drop_unread(indices)
     record_applied(
-        FOLD, index.name, f"reads `{source.name}` as a view of {list(view.meta['val'].shape)}"
+        FOLD, index.name, f"reads `{source.name}` as a view of {list(node_value(view).shape)}"
     )
 
 

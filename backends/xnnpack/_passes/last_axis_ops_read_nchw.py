@@ -39,6 +39,7 @@ from etfold.backends.xnnpack._passes.last_axis_normalizations import (
     normalizes_along_memory_axis,
 )
 from etfold.exir.passes.graph_walk import is_channels_last
+from etfold.exir.passes.node_shapes import node_value
 from etfold.exir.program.reentrant_patch import ReentrantPatch, Replacement
 
 LAYOUT_GUARD_SPEC = CompileSpec("etfold.layout_guard", b"1")
@@ -74,13 +75,13 @@ _PATCH = ReentrantPatch(
 def _may_produce_nhwc(node: torch.fx.Node) -> bool:
     return (
         node.target in ChannelsLastTaggedReshapePass.memory_sensitive_ops_nhwc
-        or is_channels_last(node.meta.get("val"))
+        or is_channels_last(node_value(node))
     )
 
 
 def _may_be_4d(node: torch.fx.Node) -> bool:
     """Unknown metadata counts as 4-D: the guard is exact either way, so it fails closed."""
-    value = node.meta.get("val")
+    value = node_value(node)
     return not isinstance(value, torch.Tensor) or value.dim() == 4
 
 

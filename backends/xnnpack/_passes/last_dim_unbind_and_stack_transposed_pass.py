@@ -54,8 +54,9 @@ from etfold.backends.xnnpack._passes.split_as_slices_pass import (
     match_selects_as_slices,
 )
 from etfold.decisions import Declined, first_declined, record_applied
+from etfold.exir.passes.graph_walk import call_with_value
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import rank_of
+from etfold.exir.passes.node_shapes import is_last_axis, node_value, rank_of
 
 FOLD = "xnnpack.last_dim_unbind_and_stack_transposed"
 
@@ -112,11 +113,11 @@ def match_unbind(node: torch.fx.Node, dtypes: Collection[torch.dtype]):
         return None
     rank = rank_of(node.args[0])
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if rank is None or rank < 2 or dim % rank != rank - 1:
+    if rank is None or rank < 2 or not is_last_axis(dim, rank):
         return None
     if not isinstance(match_selects_as_slices(node, dtypes), SelectsAsSlices):
         return None  # the pieces stay outside either way; that pass says why
-    value = node.args[0].meta["val"]
+    value = node_value(node.args[0])
     transposed = transposed_value(value)
     declined = first_declined(
         lambda: _runs_of_one(value),
@@ -139,37 +140,33 @@ def match_stack(node: torch.fx.Node, dtypes: Collection[torch.dtype]):
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     if rank < 1 or dim % (rank + 1) != rank:
         return None
-    if not isinstance(node.meta.get("val"), torch.Tensor):
+    if not isinstance(node_value(node), torch.Tensor):
         return Declined("no tensor metadata on the stack")
     declined = first_declined(
         lambda: rank_held(rank + 1, "output"),
-        lambda: _runs_of_one(node.meta["val"]),
+        lambda: _runs_of_one(node_value(node)),
         *(
             lambda t=t: not_quantized(t, "the rows would need matching quantization")
             for t in tensors
         ),
-        *(lambda t=t: dtype_taken(t.meta["val"], dtypes, "stack") for t in tensors),
+        *(lambda t=t: dtype_taken(node_value(t), dtypes, "stack") for t in tensors),
     )
     return StackTransposed(node, rank) if declined is None else declined
-
-
-def _call(graph: torch.fx.Graph, target, args: tuple, meta: dict, value) -> torch.fx.Node:
-    created = graph.call_function(target, args)
-    created.meta = {**meta, "val": value}
-    return created
 
 
 def rewrite_unbind(match: UnbindTransposed) -> None:
     """The unbind reads the transposed tensor along the dim before the last."""
     node, graph = match.node, match.node.graph
     source, swap = node.args[0], swap_last_two(match.rank)
-    value = transposed_value(source.meta["val"])
+    value = transposed_value(node_value(source))
     with graph.inserting_before(node):
-        transposed = _call(graph, aten.permute_copy.default, (source, swap), node.meta, value)
+        transposed = call_with_value(
+            graph, aten.permute_copy.default, (source, swap), value, node.meta
+        )
     node.args, node.kwargs = (transposed, match.rank - 2), {}
     node.meta["val"] = aten.unbind.int(value, match.rank - 2)
     for piece in node.users:
-        piece.meta["val"] = node.meta["val"][piece.args[1]]
+        piece.meta["val"] = node_value(node)[piece.args[1]]
     record_applied(FOLD, node.name, f"unbind of {match.rank}-d tensor through a transpose")
 
 
@@ -179,14 +176,16 @@ def rewrite_stack(match: StackTransposed) -> None:
     dim = match.rank - 1
     with graph.inserting_before(node):
         rows = [
-            _call(graph, aten.unsqueeze.default, (t, dim), node.meta, t.meta["val"].unsqueeze(dim))
+            call_with_value(
+                graph, aten.unsqueeze.default, (t, dim), node_value(t).unsqueeze(dim), node.meta
+            )
             for t in node.args[0]
         ]
-        stacked_value = aten.cat.default([row.meta["val"] for row in rows], dim)
-        stacked = _call(graph, aten.cat.default, (rows, dim), node.meta, stacked_value)
+        stacked_value = aten.cat.default([node_value(row) for row in rows], dim)
+        stacked = call_with_value(graph, aten.cat.default, (rows, dim), stacked_value, node.meta)
         swap = swap_last_two(match.rank + 1)
-        transposed = _call(
-            graph, aten.permute_copy.default, (stacked, swap), node.meta, node.meta["val"]
+        transposed = call_with_value(
+            graph, aten.permute_copy.default, (stacked, swap), node_value(node), node.meta
         )
     node.replace_all_uses_with(transposed)
     graph.erase_node(node)

@@ -69,7 +69,7 @@ from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
 )
 from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import rank_of
+from etfold.exir.passes.node_shapes import argument_values, node_value, rank_of
 
 FOLD = "xnnpack.layer_norm_as_delegated_ops"
 
@@ -94,10 +94,6 @@ class LayerNormOverLastDim:
     bias: torch.fx.Node | None
     eps: float
     copied: bool  # the input, not contiguous (a transpose), is copied contiguous first
-
-
-def _fake(value: object) -> object:
-    return value.meta.get("val") if isinstance(value, torch.fx.Node) else value
 
 
 def _argument(node: torch.fx.Node, index: int, default: object = None) -> object:
@@ -128,7 +124,7 @@ def only_the_output_used(node: torch.fx.Node) -> Declined | None:
 
 def affine_in_input_dtype(node: torch.fx.Node, dtype: torch.dtype) -> Declined | None:
     for name, index in (("weight", 2), ("bias", 3)):
-        value = _fake(_argument(node, index))
+        value = argument_values(_argument(node, index))
         if value is not None and not isinstance(value, torch.Tensor):
             return Declined(f"no tensor metadata on the layer norm's {name}")
         if value is not None and value.dtype != dtype:
@@ -151,7 +147,7 @@ def match_layer_norm(
     rank = rank_of(source)
     if rank is None:
         return Declined("no tensor metadata on the layer norm's input")
-    value = source.meta["val"]
+    value = node_value(source)
     declined = first_declined(
         lambda: over_last_dim_only(node),
         lambda: only_the_output_used(node),
@@ -173,7 +169,7 @@ def _insert(anchor: torch.fx.Node, target, *args, **kwargs) -> torch.fx.Node:
     """`target(*args, **kwargs)` before `anchor`, with `anchor`'s metadata and its own value."""
     with anchor.graph.inserting_before(anchor):
         node = anchor.graph.call_function(target, args, kwargs)
-    node.meta = {**anchor.meta, "val": target(*(_fake(a) for a in args), **kwargs)}
+    node.meta = {**anchor.meta, "val": target(*argument_values(args), **kwargs)}
     return node
 
 
@@ -200,7 +196,7 @@ def rewrite_as_delegated_ops(match: LayerNormOverLastDim) -> None:
     node.graph.erase_node(node)
     affine = "with" if match.weight is not None or match.bias is not None else "without"
     copy = ", its input copied contiguous first" if match.copied else ""
-    record_applied(FOLD, node.name, f"over {x.meta['val'].shape[-1]} values, {affine} affine{copy}")
+    record_applied(FOLD, node.name, f"over {node_value(x).shape[-1]} values, {affine} affine{copy}")
 
 
 def layer_norms_as_delegated_ops(program: ExportedProgram, *, bf16: bool) -> ExportedProgram:

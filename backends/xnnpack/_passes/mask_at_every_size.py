@@ -33,6 +33,7 @@ from etfold.decisions import Declined
 from etfold.exir.passes.constant_prop.evaluate import evaluate
 from etfold.exir.passes.constant_prop.verdicts import EVERY_METHOD, source_verdict
 from etfold.exir.passes.graph_walk import StateFacts, input_kinds, value_ancestors
+from etfold.exir.passes.node_shapes import node_value
 
 aten = torch.ops.aten
 
@@ -52,21 +53,21 @@ def size_reads(cone: set[Node]) -> list[Node]:
 def _symbols(reads: list[Node]) -> list[sympy.Symbol]:
     found: set[sympy.Symbol] = set()
     for read in reads:
-        value = read.meta.get("val")
+        value = node_value(read)
         if isinstance(value, torch.SymInt):
             found |= value.node.expr.free_symbols
     return sorted(found, key=str)
 
 
 def _shape_env(reads: list[Node]):
-    (env, *_) = {read.meta["val"].node.shape_env for read in reads}
+    (env, *_) = {node_value(read).node.shape_env for read in reads}
     return env
 
 
 def _read_of(symbol: sympy.Symbol, reads: list[Node]) -> str:
     """ "dim d of `x`" for the first size read that is `symbol` itself."""
     for read in reads:
-        if read.meta["val"].node.expr == symbol:
+        if node_value(read).node.expr == symbol:
             return f"dim {read.args[1]} of `{read.args[0].name}`"
     return "a size"
 
@@ -101,7 +102,7 @@ def concrete(size: object, assignment: Mapping) -> int:
 
 
 def _elements(mask: Node, assignments: list[dict]) -> int:
-    shape = mask.meta["val"].shape
+    shape = node_value(mask).shape
     return sum(math.prod(concrete(s, a) for s in shape) for a in assignments)
 
 
@@ -135,7 +136,7 @@ def _value_at(
     """`node`'s value with each size read at `assignment`, or a Declined."""
     ordered = [n for n in node.graph.nodes if n in cone and n.op == "call_function"]
     values: dict[Node, object] = dict(sources)
-    values.update({read: concrete(read.meta["val"], assignment) for read in reads})
+    values.update({read: concrete(node_value(read), assignment) for read in reads})
     for current in ordered:
         if current not in values:
             value = evaluate(current, values)

@@ -58,7 +58,7 @@ from etfold.exir.passes.graph_walk import (
     symbolic_axes,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import rank_of
+from etfold.exir.passes.node_shapes import is_last_axis, node_value, rank_of
 
 FOLD = "xnnpack.mean_over_last_dim_as_pooling"
 
@@ -88,7 +88,7 @@ def is_upstream_delegated(node: torch.fx.Node) -> bool:
 
 def reduces_last_dim_only(node: torch.fx.Node, rank: int) -> Declined | None:
     dims, _ = _dims_and_keepdim(node)
-    if not isinstance(dims, (list, tuple)) or len(dims) != 1 or dims[0] % rank != rank - 1:
+    if not isinstance(dims, (list, tuple)) or len(dims) != 1 or not is_last_axis(dims[0], rank):
         return Declined(f"reduces dims {dims}: only a mean over the last dim alone is rewritten")
     return None
 
@@ -111,7 +111,7 @@ def rank_fits(rank: int, keepdim: bool) -> Declined | None:
 
 def nonempty_for_every_size(source: torch.fx.Node) -> Declined | None:
     """None when no size of `source` can be 0 within the export's bounds."""
-    value = source.meta["val"]
+    value = node_value(source)
     if symbolic_axes(value) == () and math.prod(value.shape) == 0:
         return Declined(f"empty input {list(value.shape)}: XNNPACK takes no empty tensors")
     empty = [axis for axis in symbolic_axes(value) if size_bounds(value.shape[axis])[0] < 1]
@@ -123,7 +123,7 @@ def nonempty_for_every_size(source: torch.fx.Node) -> Declined | None:
 
 
 def viewable(source: torch.fx.Node) -> Declined | None:
-    if not known_contiguous(source.meta["val"]):
+    if not known_contiguous(node_value(source)):
         return Declined("input is not contiguous: the [1, N, 1, C] view would need a copy")
     return None
 
@@ -171,31 +171,31 @@ def match_mean_over_last_dim(
         lambda: rank_fits(rank, keepdim),  # first: the others assume rank >= 1
         lambda: reduces_last_dim_only(node, rank),
         lambda: has_no_dtype_override(node),
-        lambda: dtype_taken(source.meta["val"], dtypes, "mean"),
+        lambda: dtype_taken(node_value(source), dtypes, "mean"),
         lambda: nonempty_for_every_size(source),
         lambda: viewable(source),
     )
     if declined is not None:
         return declined
-    views = pooling_views(source.meta["val"], keepdim)
+    views = pooling_views(node_value(source), keepdim)
     return views if isinstance(views, Declined) else MeanOverLastDim(node, *views)
 
 
 def rewrite_as_pooling(match: MeanOverLastDim) -> None:
     """The mean node becomes the 4-D pooling; a view after it gives its users the old shape."""
     node, graph = match.node, match.node.graph
-    source, before = node.args[0], node.meta["val"]
+    source, before = node.args[0], node_value(node)
     flat_shape, back_shape = list(match.flat_shape), list(match.back_shape)
     with graph.inserting_before(node):
         flat = graph.call_function(aten.view.default, (source, flat_shape))
-    flat.meta = {**node.meta, "val": source.meta["val"].view(flat_shape)}
+    flat.meta = {**node.meta, "val": node_value(source).view(flat_shape)}
     node.args, node.kwargs = (flat, [-2, -1], True), {}
-    node.meta["val"] = flat.meta["val"].mean([-2, -1], keepdim=True)
+    node.meta["val"] = node_value(flat).mean([-2, -1], keepdim=True)
     with graph.inserting_after(node):
         back = graph.call_function(aten.view.default, (node, back_shape))
     back.meta = {**node.meta, "val": before}
     node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
-    rows, width = flat.meta["val"].shape[0], flat.meta["val"].shape[-1]
+    rows, width = node_value(flat).shape[0], node_value(flat).shape[-1]
     record_applied(FOLD, node.name, f"mean over the last {width} values of {rows} rows")
 
 

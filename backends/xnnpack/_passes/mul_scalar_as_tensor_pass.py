@@ -47,6 +47,7 @@ from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, d
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import add_lifted_constant
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_shapes import node_value
 from etfold.exir.program.working_copy import copy_for_rewrite
 
 FOLD = "xnnpack.mul_scalar_as_tensor"
@@ -91,7 +92,7 @@ def match_mul_scalar(
     """The rewrite of `node`, a reason it stays, or None when it is not ours to judge."""
     if node.op != "call_function" or node.target != aten.mul.Scalar:
         return None
-    value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    value = node_value(node.args[0])
     if not isinstance(value, torch.Tensor):
         return Declined("no tensor metadata on the multiplied input")
     scalar = node.args[1]
@@ -129,7 +130,7 @@ def match_half_number_operand(node: torch.fx.Node) -> HalfNumberOperand | None:
         return None
     if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
         return None
-    value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    value = node_value(node.args[0])
     number = node.args[1]
     if not isinstance(value, torch.Tensor) or value.dtype not in _HALF:
         return None
@@ -157,7 +158,7 @@ def half_number_operands_as_constants(program: ExportedProgram) -> ExportedProgr
         constant = add_lifted_constant(program, f"_etfold_{node.name}_number", found.constant)
         node.args = (node.args[0], constant)
         record_applied(
-            NUMBER_FOLD, node.name, f"{node.args[0].meta['val'].dtype} number operand as a constant"
+            NUMBER_FOLD, node.name, f"{node_value(node.args[0]).dtype} number operand as a constant"
         )
     program.graph_module.recompile()
     return program

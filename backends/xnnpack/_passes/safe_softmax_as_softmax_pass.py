@@ -72,7 +72,7 @@ from etfold.exir.passes.graph_walk import (
     value_ancestors,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import rank_of
+from etfold.exir.passes.node_shapes import axis_index, node_value, rank_of
 
 FOLD = "xnnpack.safe_softmax_as_softmax"
 
@@ -150,9 +150,11 @@ def softmax_guard(node: Node) -> SoftmaxGuard | None:
     reduced, eq = chain[1], chain[-1]
     if eq.args != (x, -math.inf) or reduced.args[2:] != (True,):
         return None
-    if not isinstance(reduced.args[1], int) or (reduced.args[1] - out.args[1]) % rank:
+    if not isinstance(reduced.args[1], int):
         return None
-    return SoftmaxGuard(out, out.args[1] % rank, (node, zeros, *chain))
+    if axis_index(reduced.args[1], rank) != axis_index(out.args[1], rank):
+        return None
+    return SoftmaxGuard(out, axis_index(out.args[1], rank), (node, zeros, *chain))
 
 
 def _finite_scaling(node: Node) -> bool:
@@ -340,7 +342,7 @@ def match_safe_softmax(
     values = _mask_values(mask, masks)
     if isinstance(values, Declined):
         return values
-    value = x.meta["val"]
+    value = node_value(x)
     declined = every_row_kept_everywhere(values, value.dim(), guard.dim, value.dtype)
     if declined is not None:
         return declined

@@ -56,6 +56,7 @@ from etfold.exir.passes.graph_walk import (
     written_arguments,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_shapes import is_last_axis, node_value
 
 FOLD = "xnnpack.shape_op_as_view"
 SHAPE_OP_MARK = "etfold_shape_op_as_view"
@@ -93,7 +94,7 @@ def is_upstream_delegated(node: torch.fx.Node) -> bool:
     """An unsqueeze on the trailing dim: upstream's own config and visitor take it."""
     if node.target != aten.unsqueeze.default:
         return False
-    return node.args[1] in (-1, node.args[0].meta["val"].dim())
+    return is_last_axis(node.args[1], node_value(node.args[0]).dim() + 1)
 
 
 def delegated_op_names(config_targets: Collection[str]) -> frozenset[str]:
@@ -154,7 +155,7 @@ def has_symbolic_size_argument(node: torch.fx.Node) -> bool:
     """A view whose size argument holds something other than ints (a symbolic size), or a
     flatten / unflatten of a dynamic shape (decomposed, it is such a view)."""
     if node.target in _FLATTENS:
-        return bool(symbolic_axes(node.meta.get("val")))
+        return bool(symbolic_axes(node_value(node)))
     return node.target in _VIEWS and not all(type(size) is int for size in node.args[1])
 
 
@@ -170,19 +171,19 @@ def match_shape_op(
     """The view `node` becomes, a reason it stays, or None when it is not ours to judge."""
     if not _ours_to_judge(node):
         return None
-    source, value = node.args[0], node.meta.get("val")
-    if not isinstance(value, torch.Tensor) or not isinstance(source.meta.get("val"), torch.Tensor):
+    source, value = node.args[0], node_value(node)
+    if not isinstance(value, torch.Tensor) or not isinstance(node_value(source), torch.Tensor):
         return Declined("no tensor metadata on the op or its input")
     if is_upstream_delegated(node):
         return None
     if (declined := dtype_taken(value, dtypes, "tensor")) is not None:
         return declined
-    ranks = (source.meta["val"].dim(), value.dim())
+    ranks = (node_value(source).dim(), value.dim())
     if max(ranks) > XNN_MAX_TENSOR_DIMS or min(ranks) == 0:
         return Declined(
             f"rank {ranks[0]} -> {ranks[1]}: XNNPACK tensors have 1 to {XNN_MAX_TENSOR_DIMS} dims"
         )
-    if node.target in _FLATTENS and not _contiguous(source.meta["val"]):
+    if node.target in _FLATTENS and not _contiguous(node_value(source)):
         return Declined("flattens a non-contiguous tensor: a copy, not a view")
     if _written_in_place(node):
         return Declined("a user writes into it in place")
@@ -196,9 +197,10 @@ def _argument_text(argument: object) -> object:
     """A size argument as it reads: a symbolic size by its node's value, not its name."""
     if isinstance(argument, (list, tuple)):
         return [_argument_text(a) for a in argument]
-    return (
-        argument.meta.get("val", argument.name) if isinstance(argument, torch.fx.Node) else argument
-    )
+    if not isinstance(argument, torch.fx.Node):
+        return argument
+    value = node_value(argument)
+    return argument.name if value is None else value
 
 
 def drop_unread_size_computations(nodes: list[torch.fx.Node]) -> None:
@@ -206,11 +208,7 @@ def drop_unread_size_computations(nodes: list[torch.fx.Node]) -> None:
     stack = list(nodes)
     while stack:
         node = stack.pop()
-        if (
-            node.users
-            or node.op != "call_function"
-            or isinstance(node.meta.get("val"), torch.Tensor)
-        ):
+        if node.users or node.op != "call_function" or isinstance(node_value(node), torch.Tensor):
             continue
         stack.extend(node.all_input_nodes)
         node.graph.erase_node(node)

@@ -32,7 +32,6 @@ node of the program gives.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +43,12 @@ from etfold.backends.xnnpack._passes.size_only_tables import Table, judge_table,
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import (
     add_lifted_constant,
+    call_with_value,
     drop_unread,
-    fresh_constant_name,
     state_facts,
 )
 from etfold.exir.passes.node_rewrite_driver import rewrite_judged_on_a_copy
-from etfold.exir.passes.node_shapes import node_value
+from etfold.exir.passes.node_shapes import argument_values, is_last_axis, node_value
 
 FOLD = "xnnpack.size_only_values_as_table_slices"
 
@@ -85,7 +84,7 @@ def _row_form(table: Table) -> str | None:
         return None
     if not others:
         return "rows"
-    if len(others) == 1 and others[0][0] == value.dim() - 1 == first + 1:
+    if len(others) == 1 and is_last_axis(others[0][0], value.dim()) and others[0][0] == first + 1:
         return "square"
     return None
 
@@ -111,24 +110,9 @@ def group_tables(verdicts: dict[str, Table]) -> dict[str, Tables]:
     }
 
 
-def _table_name(program: ExportedProgram, reader: str) -> str:
-    numbered = (f"{reader}_table_{count}" for count in itertools.count(1))
-    return fresh_constant_name(
-        program.graph_module, program, [f"{reader}_table", *itertools.islice(numbered, 99)]
-    )
-
-
-def _call(graph, target, args: tuple, value) -> Node:
-    node = graph.call_function(target, args)
-    node.meta["val"] = value
-    return node
-
-
 def _slice(graph, source: Node, dim: int, start: object, end: object) -> Node:
-    value = aten.slice.Tensor(
-        node_value(source), dim, start, node_value(end) if isinstance(end, Node) else end
-    )
-    return _call(graph, aten.slice.Tensor, (source, dim, start, end), value)
+    value = aten.slice.Tensor(node_value(source), dim, start, argument_values(end))
+    return call_with_value(graph, aten.slice.Tensor, (source, dim, start, end), value)
 
 
 def with_spare(table: torch.Tensor, dims) -> torch.Tensor:
@@ -161,9 +145,11 @@ def _row_piece(graph, rows: Node, member: Member, offset: int, width: int, by_na
     shape[dim] = by_name[length]
     if len(shape) == 2:
         return piece
-    value_shape = [node_value(s) if isinstance(s, Node) else s for s in shape]
-    return _call(
-        graph, aten.view.default, (piece, shape), aten.view.default(node_value(piece), value_shape)
+    return call_with_value(
+        graph,
+        aten.view.default,
+        (piece, shape),
+        aten.view.default(node_value(piece), argument_values(shape)),
     )
 
 
@@ -185,8 +171,8 @@ def rewrite_tables(match: TablesMatch, program: ExportedProgram) -> None:
         rows = [
             m.table.value.reshape(m.table.value.shape[m.table.lengths[0][0]], -1) for m in packed
         ]
-        name = _table_name(program, match.leader.name)
-        constant = add_lifted_constant(program, name, with_spare(torch.cat(rows, 1), (0, 1)))
+        packed_rows = with_spare(torch.cat(rows, 1), (0, 1))
+        constant = add_lifted_constant(program, f"{match.leader.name}_table", packed_rows)
         with graph.inserting_before(match.leader):
             sliced = _slice(graph, constant, 0, 0, by_name[packed[0].table.lengths[0][1]])
         offset = 0
@@ -199,8 +185,8 @@ def rewrite_tables(match: TablesMatch, program: ExportedProgram) -> None:
     for member in (m for m in members if not m.rows):
         node = by_name[member.name]
         dims = [dim for dim, _ in member.table.lengths]
-        name = _table_name(program, node.name)
-        constant = add_lifted_constant(program, name, with_spare(member.table.value, dims))
+        spared = with_spare(member.table.value, dims)
+        constant = add_lifted_constant(program, f"{node.name}_table", spared)
         with graph.inserting_before(node):
             piece = _own_slices(graph, constant, member.table, by_name)
         _attach(node, piece, member.table)

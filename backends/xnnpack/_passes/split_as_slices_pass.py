@@ -54,7 +54,7 @@ from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import view_shape
 from etfold.decisions import Declined, first_declined, record_applied
 from etfold.exir.passes.graph_walk import describe_axes
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import rank_of
+from etfold.exir.passes.node_shapes import axis_index, node_value, rank_of
 
 FOLD = "xnnpack.split_as_slices"
 
@@ -72,7 +72,7 @@ class SplitAsSlices:
 
 def _dim(node: torch.fx.Node, rank: int) -> int:
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-    return dim % rank
+    return axis_index(dim, rank)
 
 
 def piece_bounds(sizes: list[int]) -> tuple[tuple[int, int], ...]:
@@ -89,7 +89,7 @@ def _pieces_by_index(node: torch.fx.Node) -> Declined | None:
 def _piece_sizes(node: torch.fx.Node, dim: int) -> list[int] | Declined:
     """Each piece's size along `dim`, when every piece is a slice XNNPACK runs: static
     along `dim`, its symbolic dims (a dynamic export) kept whole and resized at runtime."""
-    pieces, source = node.meta.get("val"), node.args[0].meta["val"]
+    pieces, source = node_value(node), node_value(node.args[0])
     if not isinstance(pieces, (list, tuple)) or not pieces:
         return Declined("no metadata on the split's pieces")
     if not all(isinstance(piece, torch.Tensor) for piece in pieces):
@@ -123,7 +123,7 @@ def match_split_as_slices(
         lambda: rank_held(rank, "input"),
         lambda: _pieces_by_index(node),
         lambda: not_quantized(source, "the slices would need matching quantization each"),
-        lambda: dtype_taken(source.meta["val"], dtypes, "split"),
+        lambda: dtype_taken(node_value(source), dtypes, "split"),
     )
     if declined is not None:
         return declined
@@ -141,7 +141,7 @@ def rewrite_as_slices(match: SplitAsSlices) -> None:
         start, end = match.bounds[piece.args[1]]
         with graph.inserting_before(piece):
             part = graph.call_function(aten.slice.Tensor, (source, match.dim, start, end, 1))
-        part.meta = {**node.meta, "val": piece.meta["val"]}
+        part.meta = {**node.meta, "val": node_value(piece)}
         piece.replace_all_uses_with(part)
         graph.erase_node(piece)
     graph.erase_node(node)
@@ -177,8 +177,8 @@ def match_selects_as_slices(
     rank = rank_of(source)
     if rank is None or rank == 0:
         return Declined("no tensor metadata on the select's input")
-    value = source.meta["val"]
-    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank
+    value = node_value(source)
+    dim = axis_index(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), rank)
     declined = first_declined(
         lambda: rank_held(rank, "input"),
         lambda: _pieces_by_index(node) if node.target is aten.unbind.int else None,
@@ -196,7 +196,7 @@ def match_selects_as_slices(
     for index, piece in _selected(node).items():
         index %= value.shape[dim]
         slab = aten.slice.Tensor(value, dim, index, index + 1)
-        shape = view_shape(piece.meta["val"])
+        shape = view_shape(node_value(piece))
         declined = slice_resizes_at_runtime(value, slab, dim, index, index + 1)
         if declined is None and isinstance(shape, Declined):
             declined = shape
@@ -210,15 +210,15 @@ def rewrite_selects_as_slices(match: SelectsAsSlices) -> None:
     node, graph = match.node, match.node.graph
     source = node.args[0]
     for index, piece in _selected(node).items():
-        index %= source.meta["val"].shape[match.dim]
+        index %= node_value(source).shape[match.dim]
         with graph.inserting_before(piece):
             part = graph.call_function(aten.slice.Tensor, (source, match.dim, index, index + 1, 1))
             part.meta = {
                 **node.meta,
-                "val": aten.slice.Tensor(source.meta["val"], match.dim, index, index + 1),
+                "val": aten.slice.Tensor(node_value(source), match.dim, index, index + 1),
             }
             view = graph.call_function(aten.view.default, (part, list(match.shapes[index])))
-        view.meta = {**node.meta, "val": piece.meta["val"]}
+        view.meta = {**node.meta, "val": node_value(piece)}
         piece.replace_all_uses_with(view)
         graph.erase_node(piece)
     if node in graph.nodes:

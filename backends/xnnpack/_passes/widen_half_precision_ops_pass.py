@@ -34,7 +34,7 @@ from torch.export import ExportedProgram
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import convert_every_use, insert_to_copy
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import rank_of
+from etfold.exir.passes.node_shapes import argument_values, rank_of, tensor_value
 
 FOLD = "xnnpack.widen_half_precision_ops"
 
@@ -108,28 +108,23 @@ class HalfPrecisionOp:
     rule: WideningRule
 
 
-def _tensor_meta(value) -> torch.Tensor | None:
-    meta = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
-    return meta if isinstance(meta, torch.Tensor) else None
-
-
 def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
 
 
 def has_tensor_metadata(node: torch.fx.Node) -> bool:
-    return _tensor_meta(node) is not None and all(
-        _tensor_meta(a) is not None for a in _tensor_args(node)
+    return tensor_value(node) is not None and all(
+        tensor_value(a) is not None for a in _tensor_args(node)
     )
 
 
 def computes_in(node: torch.fx.Node, dtype: torch.dtype) -> bool:
     """The op's output has its input's half dtype (no dtype= argument widens it already)."""
-    return _tensor_meta(node).dtype is dtype
+    return tensor_value(node).dtype is dtype
 
 
 def other_tensors_are_half_or_fp32(node: torch.fx.Node, dtype: torch.dtype) -> bool:
-    return all(_tensor_meta(a).dtype in (dtype, torch.float32) for a in _tensor_args(node))
+    return all(tensor_value(a).dtype in (dtype, torch.float32) for a in _tensor_args(node))
 
 
 def match_half_precision_op(node: torch.fx.Node) -> HalfPrecisionOp | Declined | None:
@@ -137,36 +132,32 @@ def match_half_precision_op(node: torch.fx.Node) -> HalfPrecisionOp | Declined |
     rule = WIDENED_OPS.get(node.target) if node.op == "call_function" else None
     if rule is not None and rule.only_where is not None and not rule.only_where(node):
         return None
-    source = _tensor_meta(node.args[0]) if rule is not None and node.args else None
+    source = tensor_value(node.args[0]) if rule is not None and node.args else None
     if rule is None or (source is not None and source.dtype not in rule.dtypes):
         return None
     if not has_tensor_metadata(node):
         return Declined("the op or one of its tensor arguments has no tensor metadata")
     dtype = source.dtype
-    if _tensor_meta(node).dtype is torch.float32:
+    if tensor_value(node).dtype is torch.float32:
         return None  # asked to compute in fp32 already (softmax(x, dim, dtype=torch.float32))
     if not computes_in(node, dtype):
         return Declined(
-            f"the op already returns {_tensor_meta(node).dtype}, not its input's {dtype}"
+            f"the op already returns {tensor_value(node).dtype}, not its input's {dtype}"
         )
     if not other_tensors_are_half_or_fp32(node, dtype):
         return Declined(f"a tensor argument is neither {dtype} nor float32")
     return HalfPrecisionOp(node, dtype, rule)
 
 
-def _fake(value):
-    return value.meta["val"] if isinstance(value, torch.fx.Node) else value
-
-
 def rewrite_half_precision_op(match: HalfPrecisionOp) -> None:
     node, graph = match.node, match.node.graph
     # read now, not when matched: a widened op before this one (softmax before the
     # matmul reading it) has put its narrowing convert between them since
-    half_args = dict.fromkeys(a for a in _tensor_args(node) if _tensor_meta(a).dtype is match.dtype)
+    half_args = dict.fromkeys(a for a in _tensor_args(node) if tensor_value(a).dtype is match.dtype)
     with graph.inserting_before(node):
         for source in half_args:
             node.replace_input_with(source, insert_to_copy(graph, source, dtype=torch.float32))
-    args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _fake)
+    args, kwargs = argument_values((node.args, node.kwargs))
     node.meta["val"] = node.target(*args, **kwargs)
     convert_every_use(graph, node, dtype=match.dtype)
     record_applied(

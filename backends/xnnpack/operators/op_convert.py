@@ -23,6 +23,7 @@ from executorch.backends.xnnpack.serialization.xnnpack_graph_schema import (
 from executorch.backends.xnnpack.utils.utils import check_or_raise, get_input_node
 
 from etfold.backends.xnnpack._passes.dtype_convert_match import CONVERT_TARGET, is_fp32_pair
+from etfold.exir.passes.node_shapes import node_value
 
 
 class XNNConvertVisitor(NodeVisitor):
@@ -37,9 +38,9 @@ class XNNConvertVisitor(NodeVisitor):
     ) -> None:
         source = get_input_node(node, 0)
         check_or_raise(
-            is_fp32_pair(source.meta["val"].dtype, node.meta["val"].dtype),
-            f"XNNConvert takes fp32 <-> fp16/bf16 only, got {source.meta['val'].dtype} -> "
-            f"{node.meta['val'].dtype} at {node.name}",
+            is_fp32_pair(node_value(source).dtype, node_value(node).dtype),
+            f"XNNConvert takes fp32 <-> fp16/bf16 only, got {node_value(source).dtype} -> "
+            f"{node_value(node).dtype} at {node.name}",
         )
         # the tensors' layout tags (NHWC or not) come from the node metadata
         self.define_nodes_tensor_inputs_outputs(node, xnn_graph, vals_to_ids)

@@ -21,6 +21,7 @@ from executorch.backends.xnnpack.operators import node_visitor
 from executorch.backends.xnnpack.utils.utils import PERM_NCHW_TO_NHWC
 
 from etfold.exir.passes.graph_walk import symbolic_axes
+from etfold.exir.passes.node_shapes import node_value
 
 SLICE_TARGET = "aten.slice_copy.Tensor"
 # upstream's module binds the name to its registering decorator's result (None): the
@@ -31,7 +32,7 @@ UpstreamSliceVisitor = node_visitor._node_visitor_dict[SLICE_TARGET]
 class DynamicSliceVisitor(UpstreamSliceVisitor):
     def define_node(self, node: torch.fx.Node, xnn_graph, vals_to_ids, debug_handle) -> None:
         super().define_node(node, xnn_graph, vals_to_ids, debug_handle)
-        symbolic = set(symbolic_axes(node.meta["val"]))
+        symbolic = set(symbolic_axes(node_value(node)))
         if not symbolic:
             return
         written = xnn_graph.xnodes[-1].xnode_union

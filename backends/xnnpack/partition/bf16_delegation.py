@@ -34,6 +34,7 @@ from torch.export import ExportedProgram
 
 from etfold.decisions import Declined, record_applied, record_declined
 from etfold.exir.passes.graph_walk import op_qualified_name
+from etfold.exir.passes.node_shapes import node_value
 
 FOLD = "xnnpack.bf16_delegation"
 
@@ -116,7 +117,7 @@ class EnableBf16:
 
 
 def _output_dtype(node: torch.fx.Node) -> torch.dtype | None:
-    value = node.meta.get("val")
+    value = node_value(node)
     return value.dtype if isinstance(value, torch.Tensor) else None
 
 

@@ -31,6 +31,7 @@ from executorch.exir.dialects._ops import ops as exir_ops
 from torch.export import ExportedProgram
 
 from etfold.exir.passes.graph_walk import state_placeholders
+from etfold.exir.passes.node_shapes import node_value
 
 _CONVOLUTION = exir_ops.edge.aten.convolution.default
 _LINEAR = exir_ops.edge.aten.linear.default
@@ -59,7 +60,7 @@ class LayoutConflict:
 
 
 def _dtype(node: torch.fx.Node) -> torch.dtype | None:
-    value = node.meta.get("val")
+    value = node_value(node)
     return value.dtype if isinstance(value, torch.Tensor) else None
 
 
@@ -73,12 +74,12 @@ def serialized_form(reader: torch.fx.Node, value: torch.fx.Node) -> str:
     if reader.target == _CONVOLUTION and len(args) > 8:
         if args[1] is value:
             transposed = bool(args[6])
-            depthwise = not transposed and value.meta["val"].shape[1] == 1
+            depthwise = not transposed and node_value(value).shape[1] == 1
             if transposed:
                 swap = f" with in/out swapped over {int(args[8])} groups"
             else:
                 swap = " with in/out swapped" if depthwise else ""
-            if value.meta["val"].dim() == 3:  # unsqueezed in place to 4-D for this conv alone
+            if node_value(value).dim() == 3:  # unsqueezed in place to 4-D for this conv alone
                 swap += f", unsqueezed to 2-D for `{reader.name}`"
             return _as_fp32(value, f"as an NHWC conv weight{swap}")
         if len(args) > 2 and args[2] is value:

@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 from executorch.exir.backend.partitioner import PartitionResult
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
 
 from etfold.decisions import Declined, record_applied, record_declined
 from etfold.exir.passes.constant_prop.name import is_folded_target
+from etfold.exir.passes.graph_walk import STATE_KINDS
 
 FOLD = "xnnpack.own_folded_constants"
 _TAG = "delegation_tag"
@@ -41,8 +41,7 @@ def folded_constants(program: ExportedProgram) -> list[torch.fx.Node]:
     targets = {
         spec.arg.name: spec.target
         for spec in signature.input_specs
-        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
-        and spec.target not in mutated
+        if spec.kind in STATE_KINDS and spec.target not in mutated
     }
     return [
         node

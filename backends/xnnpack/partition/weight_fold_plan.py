@@ -47,6 +47,7 @@ from etfold.exir.passes.constant_prop.verdicts import (
     source_custom,
 )
 from etfold.exir.passes.graph_walk import state_placeholders, written_arguments
+from etfold.exir.passes.node_shapes import node_value
 from etfold.exir.program.buffer_marks import BUFFER_FOLD_BLOCKERS
 
 GROWTH_FLOOR_BYTES = 64 * 1024
@@ -150,7 +151,7 @@ def _written_source(node: torch.fx.Node, source_verdict) -> Declined | None:
 
 
 def _value_bytes(node: torch.fx.Node) -> int | None:
-    value = node.meta.get("val")
+    value = node_value(node)
     values = value if isinstance(value, (list, tuple)) else [value]
     if not all(isinstance(v, torch.Tensor) for v in values):
         return None

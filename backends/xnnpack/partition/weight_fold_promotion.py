@@ -21,6 +21,7 @@ from torch.export import ExportedProgram
 
 from etfold.backends.xnnpack.partition.weight_fold_seeds import constant_only_nodes
 from etfold.exir.passes.graph_walk import insert_to_copy
+from etfold.exir.passes.node_shapes import node_value
 from etfold.exir.program.working_copy import copy_for_rewrite
 
 aten = torch.ops.aten
@@ -35,13 +36,13 @@ def _promotions(program: ExportedProgram) -> list[tuple[torch.fx.Node, torch.fx.
     constant = constant_only_nodes(program)
     found = []
     for node in program.graph.nodes:
-        result = node.meta.get("val")
+        result = node_value(node)
         if node.op != "call_function" or node.target not in _PROMOTING_OPS:
             continue
         if not isinstance(result, torch.Tensor) or not result.dtype.is_floating_point:
             continue
         for operand in node.all_input_nodes:
-            value = operand.meta.get("val")
+            value = node_value(operand)
             if operand not in constant or not isinstance(value, torch.Tensor):
                 continue
             if not value.dtype.is_floating_point or value.dtype == result.dtype:
@@ -65,7 +66,7 @@ def promote_constant_operands(program: ExportedProgram) -> ExportedProgram:
         return program
     program = copy_for_rewrite(program)
     for node, operand in _promotions(program):
-        dtype = node.meta["val"].dtype
+        dtype = node_value(node).dtype
         with program.graph.inserting_before(node):
             widened = insert_to_copy(program.graph, operand, dtype=dtype)
         node.replace_input_with(operand, widened)

@@ -41,7 +41,7 @@ from etfold.exir.passes.constant_prop.verdicts import (
     source_verdict,
 )
 from etfold.exir.passes.graph_walk import state_facts, state_placeholders
-from etfold.exir.passes.node_shapes import rank_of
+from etfold.exir.passes.node_shapes import node_value, rank_of
 
 aten = torch.ops.aten
 
@@ -130,7 +130,7 @@ def is_export_check(node: torch.fx.Node) -> bool:
 
 def is_tensor_value(node: torch.fx.Node) -> bool:
     """A tensor, or a multi-output op's tensors (stored per output, never dropped to a scalar)."""
-    value = node.meta.get("val")
+    value = node_value(node)
     values = value if isinstance(value, (list, tuple)) else [value]
     return bool(values) and all(isinstance(v, torch.Tensor) for v in values)
 

@@ -16,7 +16,6 @@ Drop-in: the same constructor arguments as upstream's, plus
 from __future__ import annotations
 
 import contextvars
-import sys
 
 from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
@@ -51,7 +50,6 @@ from etfold.backends.xnnpack.partition.marked_partitions import tags_holding, wi
 from etfold.backends.xnnpack.partition.pre_decomposition_rewrites import run_rewrites
 from etfold.backends.xnnpack.partition.shape_op_partitions import settle_shape_op_views
 from etfold.backends.xnnpack.partition.weight_fold_ownership import own_folded_constants
-from etfold.backends.xnnpack.partitioner_caller_check import called_through_deprecated_to_backend
 from etfold.decisions import record_declined
 from etfold.exir.program.lower import mark_for_lowering
 from etfold.exir.program.method_marks import methods_judged
@@ -63,6 +61,19 @@ LAYOUT_FOLD = "xnnpack.constant_layout"
 _KEPT_OUT: contextvars.ContextVar[frozenset | set] = contextvars.ContextVar(
     "etfold_xnnpack_kept_out", default=frozenset()
 )
+
+
+def _raise_if_nothing_new(partitioner: str, kept_out_now: list, kept_out_before: set) -> None:
+    """A round of re-partitioning must keep out a node no round kept out before: one
+    that keeps out only nodes already kept out would be followed by the same round."""
+    if kept_out_now and not set(kept_out_now) <= kept_out_before:
+        return
+    names = ", ".join(sorted({n.name for n in kept_out_now})) or "no node"
+    raise RuntimeError(
+        f"{partitioner}.generate_partitions: re-partitioning repeated itself: a round "
+        f"kept out {names}, none of it new, so the next round would draw the same "
+        "partitions; stopped instead of repeating forever"
+    )
 
 
 class XnnpackPartitioner(UpstreamXnnpackPartitioner):
@@ -99,8 +110,10 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
         computes (which buffers another method writes, which constants several read),
         computed here on copies from every method of the call: the user's programs are
         only read. Already marked, or outside a lowering: the program as it came."""
+        if methods_judged(exported_program):
+            return exported_program
         lowering = upstream_lowering_in_progress()
-        if lowering is None or methods_judged(exported_program):
+        if lowering is None:
             return exported_program
         judged = copy_for_rewrite(exported_program)
         copies = {
@@ -151,10 +164,6 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
 
         return ops, keep_under_bf16_settings
 
-    def _check_if_called_from_to_backend(self) -> bool:
-        """Upstream's verdict, told from the frames without reading each caller's source."""
-        return called_through_deprecated_to_backend(sys._getframe(1))
-
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         configs = self.target_partitioner_configs.values()
         with bf16_scope(exported_program, self._user_enable_bf16, configs):
@@ -190,7 +199,11 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
 
     def generate_partitions(self, ep: ExportedProgram):
         """Upstream's partitions, re-drawn until no constant needs two forms in one delegate
-        and no delegate would return a value beside its dropped copy."""
+        and no delegate would return a value beside its dropped copy.
+
+        Each round that is not the last keeps out of the delegates at least one node no
+        round kept out before, or raises `RuntimeError`: so there are at most as many
+        rounds as the graph has nodes, plus the last."""
         kept_out: set = set(clones_of_returned_values(ep))
         token = _KEPT_OUT.set(kept_out)
         try:
@@ -199,12 +212,13 @@ class XnnpackPartitioner(UpstreamXnnpackPartitioner):
                 conflicts = find_layout_conflicts(ep, (p.nodes for p in partitions))
                 for conflict in conflicts:
                     record_declined(LAYOUT_FOLD, conflict.constant.name, conflict.reason)
-                    kept_out.update(conflict.kept_out)
                 doubled = (
                     [] if conflicts else clones_beside_their_source(p.nodes for p in partitions)
                 )
                 if not conflicts and not doubled:
                     return partitions
-                kept_out.update(doubled)
+                again = [n for c in conflicts for n in c.kept_out] + doubled
+                _raise_if_nothing_new(type(self).__name__, again, kept_out)
+                kept_out.update(again)
         finally:
             _KEPT_OUT.reset(token)

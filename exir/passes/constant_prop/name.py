@@ -19,6 +19,12 @@ expression over the same source gets the same name in every method. A fold of a
 folded constant keeps one suffix: it is named from the first fold's root, with the
 digest of the new expression (whose source line names the first fold, so the
 digest still covers the whole computation).
+
+That name is the stem of `graph_walk.constant_names`, etfold's one naming rule: a
+program already holding the same data under it shares that constant (the same
+fold, found twice); one holding other data under it gives the fold the next name,
+`<stem>_<digest of the data>`. Upstream's naming, a counter, is upstream's
+default and stays its own.
 """
 
 from __future__ import annotations
@@ -37,10 +43,17 @@ from etfold.exir.passes.constant_prop import FOLD
 from etfold.exir.passes.constant_prop.evaluate import Evaluation, fresh_constant, storage_key
 from etfold.exir.passes.constant_prop.select import Selection
 from etfold.exir.passes.constant_prop.verdicts import UNSET
-from etfold.exir.passes.graph_walk import ConstantSource, is_plain_tensor, op_qualified_name
+from etfold.exir.passes.graph_walk import (
+    NAME_DIGEST_LENGTH,
+    ConstantSource,
+    constant_names,
+    equal_tensors,
+    is_plain_tensor,
+    op_qualified_name,
+)
 
 UPSTREAM_PREFIX = "_prop_tensor_constant"
-_FOLD_SUFFIX = re.compile(r"_prop_[0-9a-f]{64}$")
+_FOLD_SUFFIX = re.compile(rf"_prop_[0-9a-f]{{64}}(_[0-9a-f]{{{NAME_DIGEST_LENGTH}}})?$")
 _UPSTREAM_NAME = re.compile(rf"^{UPSTREAM_PREFIX}[0-9]+$")
 
 
@@ -150,14 +163,7 @@ def _registered_kind(leaves: Iterable[ConstantSource]) -> tuple[InputKind, Const
 
 def _name_taken_by_other_data(ep: ExportedProgram, target: str, tensor: torch.Tensor) -> bool:
     existing = ep.state_dict.get(target, ep.constants.get(target))
-    if existing is None:
-        return False
-    same = (
-        existing.shape == tensor.shape
-        and existing.dtype == tensor.dtype
-        and torch.equal(existing, tensor)
-    )
-    return not same
+    return existing is not None and not equal_tensors(existing, tensor)
 
 
 def stored_and_erased(evaluation: Evaluation) -> tuple[list[torch.fx.Node], set[torch.fx.Node]]:
@@ -194,10 +200,12 @@ def name_fold(
     if register_like_source:
         kind, first = _registered_kind(leaves)
         digest = hashlib.sha256(expression.encode()).hexdigest()
-        target = f"{fold_root(first.fqn) if first else ''}_prop_{digest}"
+        stem = f"{fold_root(first.fqn) if first else ''}_prop_{digest}"
         persistent = (first.persistent if first else None) if kind == InputKind.BUFFER else None
-        if _name_taken_by_other_data(ep, target, tensor):
-            return Declined(f"{target} already names a constant with different data")
+        names = constant_names(stem, tensor)
+        target = next((n for n in names if not _name_taken_by_other_data(ep, n, tensor)), None)
+        if target is None:
+            return Declined(f"{' and '.join(names)} already name constants with different data")
     return Materialization(
         node=node,
         kind=kind,

@@ -36,6 +36,7 @@ from etfold.exir.passes.constant_prop.name import (
 )
 from etfold.exir.passes.constant_prop.verdicts import SourcePolicy, constant_sources
 from etfold.exir.passes.graph_walk import PLACEHOLDER_RANK, input_kinds
+from etfold.exir.passes.node_shapes import node_value
 
 _PLACEHOLDER_PREFIX = {InputKind.PARAMETER: "p_", InputKind.BUFFER: "b_"}
 
@@ -65,7 +66,7 @@ class _Inputs:
 
 
 def _fake_mode(ep: ExportedProgram):
-    mode = detect_fake_mode(tuple(n.meta["val"] for n in ep.graph.nodes if "val" in n.meta))
+    mode = detect_fake_mode(tuple(node_value(n) for n in ep.graph.nodes if "val" in n.meta))
     return mode if mode is not None else FakeTensorMode()
 
 
@@ -162,7 +163,7 @@ def _clone_constant_outputs(ep: ExportedProgram, fold_buffers: bool, skip_dim_or
         if spec.kind == OutputKind.USER_OUTPUT and value in constants:
             with ep.graph.inserting_before(output):
                 copy = ep.graph.call_function(_clone_target(ep, skip_dim_order), (value,))
-            copy.meta["val"] = value.meta["val"]
+            copy.meta["val"] = node_value(value)
             returned[position] = value = copy
         if isinstance(spec.arg, TensorArgument) and spec.arg.name != value.name:
             spec.arg = TensorArgument(name=value.name)

@@ -9,6 +9,9 @@
 Each model runs on the XNNPACK runtime and is compared with eager; stock
 ExecuTorch's error is measured beside etfold's, since stock shares the hazard
 (a static conv weight that another op in the same delegate reads).
+
+Re-partitioning ends: each round keeps out a node no round kept out before (so there
+are at most as many rounds as nodes), or the partitioner raises, naming what repeated.
 """
 
 from __future__ import annotations
@@ -23,7 +26,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from etfold.backends.xnnpack import XnnpackPartitioner
-from etfold.backends.xnnpack.partition.constant_layout_conflicts import find_layout_conflicts
+from etfold.backends.xnnpack.partition import xnnpack_partitioner
+from etfold.backends.xnnpack.partition.constant_layout_conflicts import (
+    LayoutConflict,
+    find_layout_conflicts,
+)
 from etfold.backends.xnnpack.partition.xnnpack_partitioner import LAYOUT_FOLD
 from etfold.decisions import collect_decisions
 from etfold.exir import to_edge_transform_and_lower as etfold_lower
@@ -149,6 +156,44 @@ def test_two_convs_sharing_a_weight_stay_in_one_delegate():
     assert program.delegates() == 1 and not program.ops_outside()
     assert not [d for d in decisions if d.fold == LAYOUT_FOLD]
     assert max_abs_error(program.run(x), reference) <= 1e-4
+
+
+def _shared_weight_edge_program():
+    torch.manual_seed(4)
+    module = SharedWeight("conv", folded_bias=False).eval()
+    program = torch.export.export(module, _inputs("conv", torch.float32))
+    return etfold_lower(program, partitioner=[]).exported_program()
+
+
+def _counting_rounds(monkeypatch) -> list:
+    rounds, upstream = [], UpstreamXnnpackPartitioner.generate_partitions
+
+    def counted(self, ep):
+        rounds.append(ep)
+        return upstream(self, ep)
+
+    monkeypatch.setattr(UpstreamXnnpackPartitioner, "generate_partitions", counted)
+    return rounds
+
+
+def test_repartitioning_ends_within_one_round_per_node(monkeypatch):
+    program, rounds = _shared_weight_edge_program(), _counting_rounds(monkeypatch)
+    partitions = XnnpackPartitioner(fold_weights=False).generate_partitions(program)
+    assert 2 <= len(rounds) <= len(program.graph.nodes) + 1  # a conflict, then settled
+    assert find_layout_conflicts(program, (p.nodes for p in partitions)) == []
+
+
+def test_a_round_keeping_out_nothing_new_raises_naming_the_partitioner(monkeypatch):
+    program, rounds = _shared_weight_edge_program(), _counting_rounds(monkeypatch)
+    conv = next(n for n in program.graph.nodes if "convolution" in str(n.target))
+    mul = next(n for n in program.graph.nodes if "mul" in str(n.target))
+    always = [LayoutConflict(conv.args[1], "NHWC conv weight", (mul,))]
+    monkeypatch.setattr(xnnpack_partitioner, "find_layout_conflicts", lambda *_: always)
+    with pytest.raises(RuntimeError, match="XnnpackPartitioner.generate_partitions") as raised:
+        XnnpackPartitioner(fold_weights=False).generate_partitions(program)
+    assert f"kept out {mul.name}, none of it new" in str(raised.value)
+    assert len(rounds) == 2  # the first keeps the mul out; the second only repeats it
+    assert not xnnpack_partitioner._KEPT_OUT.get()  # nothing left kept out after the raise
 
 
 def test_finds_no_conflict_when_readers_are_in_different_partitions():

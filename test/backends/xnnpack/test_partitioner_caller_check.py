@@ -4,7 +4,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""etfold's XNNPACK partitioner tells which workflow called it as upstream's does.
+"""etfold's XNNPACK partitioner tells which workflow called it as upstream's does:
+with upstream's own check, inherited; etfold reads no frame for it.
 
 Stacks of frames with chosen function and file names are built from code compiled
 under those names; at the innermost frame upstream's own check (`inspect.stack()`)
@@ -15,16 +16,30 @@ import functools
 import logging
 
 import torch
+from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+    XnnpackPartitioner as UpstreamXnnpackPartitioner,
+)
 from executorch.exir import to_edge
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from etfold.backends.xnnpack import XnnpackPartitioner
-from etfold.backends.xnnpack.partitioner_caller_check import upstreams_check
 from etfold.exir import to_edge_transform_and_lower
+
+CHECK = "_check_if_called_from_to_backend"
 
 NAMES = ("to_backend", "to_edge_transform_and_lower", "partition", "lower")
 FILES = ("executorch/exir/program/_program.py", "etfold/exir/program/lower.py", "model.py")
+
+
+def upstreams_check():
+    """Upstream's check, unbound (it reads only the stack, never its partitioner)."""
+    return vars(UpstreamXnnpackPartitioner)[CHECK]
+
+
+def test_etfold_inherits_upstreams_check_and_reads_no_frame_of_its_own():
+    assert CHECK not in vars(XnnpackPartitioner)
+    assert getattr(XnnpackPartitioner, CHECK) is upstreams_check()
 
 
 @functools.cache

@@ -34,9 +34,15 @@ from torch.export.graph_signature import InputKind
 from etfold.decisions import collect_decisions
 from etfold.exir import constant_prop_pass, to_edge_transform_and_lower
 from etfold.exir.passes.constant_prop.evaluate import evaluate
+from etfold.exir.passes.constant_prop.name import fold_root, is_folded_target
 from etfold.exir.passes.constant_prop.verdicts import SourcePolicy, constant_sources
 from etfold.exir.passes.constant_prop_pass import FILLS_AND_QUANT_OPS, FOLD, fold_expression
-from etfold.exir.passes.graph_walk import op_qualified_name
+from etfold.exir.passes.graph_walk import (
+    NAME_DIGEST_LENGTH,
+    constant_names,
+    op_qualified_name,
+    tensor_digest,
+)
 from etfold.harness.external_data import data_files, data_keys, load_with_data
 from etfold.harness.xnnpack_runner import assert_close, export_method, load_program, lower_xnnpack
 
@@ -402,16 +408,35 @@ def test_declines_when_buffers_not_folded():
     )
 
 
-def test_declines_when_name_taken_by_other_data():
-    model, x = WeightExpr(), torch.randn(3, 8)
+def _a_fold_name_and_its_data(model, x) -> tuple[str, torch.Tensor]:
     probe = constant_prop_pass(export(model, x), register_like_source=True)
-    taken = next(t for t in probe.state_dict if "_prop_" in t)
+    return next((t, v.detach()) for t, v in probe.state_dict.items() if "_prop_" in t)
+
+
+def test_a_name_held_by_other_data_gives_the_fold_the_digested_name():
+    model, x = WeightExpr(), torch.randn(3, 8)
+    taken, folded = _a_fold_name_and_its_data(model, x)
     ep = export(model, x)
-    ep.state_dict[taken] = torch.nn.Parameter(torch.zeros(8, 8), requires_grad=False)
+    other = torch.nn.Parameter(torch.zeros_like(folded), requires_grad=False)
+    ep.state_dict[taken] = other
+    constant_prop_pass(ep, register_like_source=True)
+    renamed = constant_names(taken, folded)[1]
+    assert renamed == f"{taken}_{tensor_digest(folded, NAME_DIGEST_LENGTH)}"
+    assert ep.state_dict[taken] is other and torch.equal(ep.state_dict[renamed], folded)
+    assert is_folded_target(renamed) and fold_root(renamed) == fold_root(taken)
+    assert_close(run_module(ep, x), eager(model, x), atol=1e-6)
+
+
+def test_declines_when_name_and_digested_name_are_held_by_other_data():
+    model, x = WeightExpr(), torch.randn(3, 8)
+    taken, folded = _a_fold_name_and_its_data(model, x)
+    ep = export(model, x)
+    for name in constant_names(taken, folded):
+        ep.state_dict[name] = torch.nn.Parameter(torch.zeros_like(folded), requires_grad=False)
     assert_declines(
         ep,
         (x,),
-        "already names a constant with different data",
+        "already name constants with different data",
         eager(model, x),
         register_like_source=True,
     )

@@ -248,9 +248,45 @@ def test_upstream_still_holds_the_lowerings_methods_where_the_hook_reads_them():
     """Pins the upstream shape `upstream_lowering` relies on."""
     from executorch.exir.program import _program
 
+    from etfold.exir.program.upstream_lowering import lowering_code
+
     code = _program._gen_edge_manager_for_partitioners.__code__
     assert {"aten_programs", "name"} <= set(code.co_varnames)
     assert "_apply_pre_decomposition_transforms" in code.co_names
+    assert lowering_code(_program._gen_edge_manager_for_partitioners) is code
+
+
+def _renamed_lowering(partitioner, programs, config, constant_methods, generate_etrecord=False):
+    """Upstream's lowering as a later release might write it: other local names."""
+    for method, program in programs.items():
+        _apply_pre_decomposition_transforms(program, partitioner.get(method, []))  # noqa: F821
+
+
+def test_the_guard_names_what_a_changed_upstream_lowering_no_longer_holds():
+    from etfold.exir.program.upstream_lowering import UpstreamLoweringChanged, lowering_code
+
+    with pytest.raises(UpstreamLoweringChanged) as raised:
+        lowering_code(_renamed_lowering)
+    message = str(raised.value)
+    assert "parameter `aten_programs`" in message and "local `name`" in message
+    assert "call of" not in message and "etfold.exir.to_edge_transform_and_lower" in message
+    with pytest.raises(UpstreamLoweringChanged, match="is gone"):
+        lowering_code(None)
+
+
+def test_a_hook_fails_loudly_when_upstream_no_longer_holds_the_methods(monkeypatch):
+    """Through upstream's entry point a changed upstream raises, never marks nothing
+    silently; etfold's entry point marks first, so its hooks never read the frame."""
+    from etfold.backends.xnnpack import XnnpackPartitioner as EtfoldPartitioner
+    from etfold.exir.program import upstream_lowering
+
+    monkeypatch.setattr(upstream_lowering, "_UPSTREAM_LOWERING", _renamed_lowering)
+    with pytest.raises(upstream_lowering.UpstreamLoweringChanged):
+        upstream_lowering.upstream_lowering_in_progress()
+    model, x = Methods().eval(), torch.randn(2, 8)
+    with pytest.raises(upstream_lowering.UpstreamLoweringChanged):
+        upstream_to_edge_transform_and_lower(programs(model, x), partitioner=[EtfoldPartitioner()])
+    to_edge_transform_and_lower(programs(model, x), partitioner=[EtfoldPartitioner()])
 
 
 def test_the_etfold_partitioner_marks_a_copy_through_upstreams_entry_point():

@@ -378,6 +378,26 @@ def test_untested_versions_switch_the_speedups_off_with_a_warning(monkeypatch):
     assert all(_torchs_classes(c) for c in builds)
 
 
+def test_a_lowering_builder_no_longer_building_graph_modules_switches_the_speedups_off(
+    monkeypatch,
+):
+    """The lazy graph modules match their builders' code: a builder that stops building
+    graph modules itself would leave the speed-up matching nothing, so it refuses."""
+    from torch.fx.experimental import proxy_tensor
+
+    from etfold.exir.program import lazy_graph_modules as lazy
+    from etfold.exir.program import speedups
+
+    with pytest.raises(PatchUnavailable, match="model.build no longer builds a graph module"):
+        lazy.check_builds_graph_modules(lambda: None, "model.build")
+    lazy.check_builds_graph_modules(proxy_tensor.dispatch_trace, "decorated, looked through")
+    assert speedups.why_unavailable((lazy.PATCH,)) is None
+    monkeypatch.setattr(lazy, "LOWERING_BUILDERS", (*lazy.LOWERING_BUILDERS, ("json", "dumps")))
+    assert speedups.why_unavailable((lazy.PATCH,)) == (
+        "lazy_graph_modules: json.dumps no longer builds a graph module itself"
+    )
+
+
 @pytest.mark.parametrize("switch", ["argument", "environment"])
 def test_the_speedups_switch_off_by_argument_or_environment(monkeypatch, switch):
     monkeypatch.setenv("ETFOLD_SPEEDUPS", "1" if switch == "argument" else "0")

@@ -34,6 +34,7 @@ from etfold.backends.xnnpack._passes.dtype_convert_match import (
     reads_user_input,
 )
 from etfold.decisions import Declined, record_declined
+from etfold.exir.passes.node_shapes import node_value
 
 why = WhyNoPartition(logger=logging.getLogger(__name__))
 
@@ -43,7 +44,7 @@ def fp32_precision_enabled(config: GenericNodePartitionerConfig) -> bool:
 
 
 def bf16_allowed(config: GenericNodePartitionerConfig, node: torch.fx.Node) -> bool:
-    dtypes = {node.meta["val"].dtype, node.args[0].meta["val"].dtype}
+    dtypes = {node_value(node).dtype, node_value(node.args[0]).dtype}
     return config.enable_bf16 or torch.bfloat16 not in dtypes
 
 

@@ -32,6 +32,7 @@ from etfold.backends.xnnpack._passes.dynamic_slices import dynamic_slice_decline
 from etfold.backends.xnnpack.partition.marked_partitions import tags_holding, with_spec_on
 from etfold.decisions import record_declined
 from etfold.exir.passes.graph_walk import op_qualified_name
+from etfold.exir.passes.node_shapes import node_value
 
 FOLD = "xnnpack.dynamic_slice"
 DYNAMIC_SLICES_SPEC = CompileSpec("etfold.dynamic_slices", b"1")
@@ -42,7 +43,7 @@ def is_dynamic_slice(node: torch.fx.Node) -> bool:
     """A `slice_copy` whose input or output has a symbolic size."""
     if node.op != "call_function" or op_qualified_name(node.target) != "aten.slice_copy.Tensor":
         return False
-    return is_dynamic(node.meta.get("val")) or is_dynamic(node.args[0].meta.get("val"))
+    return is_dynamic(node_value(node)) or is_dynamic(node_value(node.args[0]))
 
 
 class DynamicSliceConfig(SliceCopyConfig):
