@@ -50,12 +50,13 @@ from etfold.exir.program.reentrant_patch import (
 )
 
 # (module, qualified name) of each function whose plain graph modules are built lazily;
-# torch's `_make_graph_module` is looked through to the function that called it.
+# torch's `_make_graph_module` is looked through to the function that called it. (make_fx's
+# `dispatch_trace` is not one: its modules, the retraces of `run_decompositions`, were
+# matched by the code of the decorator wrapping it, never, and are built as torch builds them.)
 LOWERING_BUILDERS = (
     ("executorch.exir.pass_base", "_ExportPassBase.__init__"),
     ("executorch.exir.pass_base", "_ExportPassBase.call_submodule"),
     ("torch.export.exported_program", "_create_graph_module_for_export"),
-    ("torch.fx.experimental.proxy_tensor", "dispatch_trace"),
 )
 _LOOKED_THROUGH = ("torch.fx._lazy_graph_module", "_make_graph_module")
 
@@ -93,7 +94,9 @@ def _function_of(module: str, qualified_name: str):
 
 
 def _code_of(module: str, qualified_name: str):
-    code = getattr(_function_of(module, qualified_name), "__code__", None)
+    """The code a caller's frame runs: the function's own, looked through its decorators."""
+    function = _function_of(module, qualified_name)
+    code = getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
     if code is None:
         raise PatchUnavailable(f"{module}.{qualified_name} is gone")
     return code
