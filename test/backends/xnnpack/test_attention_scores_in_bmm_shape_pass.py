@@ -84,6 +84,8 @@ def _two_sequences(length: int) -> tuple[torch.Tensor]:
     return (torch.randn(2, length, 16, generator=torch.Generator().manual_seed(length)),)
 
 
+# `make test` holds a batch of two through test_attention_masks_as_whole_delegates
+@pytest.mark.long
 def test_a_batch_of_two_keeps_the_bmm_shape_too():
     """Scores [2, H, t, t] are the bmm's [2H, t, t]: the leading dim splits in two, and
     a mask broadcast over batch and heads reads the same for each matrix."""
