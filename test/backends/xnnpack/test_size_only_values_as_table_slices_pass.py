@@ -246,7 +246,15 @@ def _masked_export(kind: str):
     return program, make, length
 
 
-@pytest.mark.parametrize("kind", ["buffer", "additive_buffer", "additive", "finfo_min"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "buffer",
+        "additive",
+        pytest.param("additive_buffer", marks=pytest.mark.long),
+        pytest.param("finfo_min", marks=pytest.mark.long),
+    ],
+)
 def test_an_attentions_mask_is_tabled_as_the_float_it_adds_without_its_leading_ones(kind):
     """A [1, 1, t, t] mask, boolean or float, sliced from a buffer or computed: the
     attention reads a [t, t] slice of its additive table (no conversion, no view)."""
