@@ -30,7 +30,9 @@ stays one delegate. (`where(r, M, 0)` keeps M's dtype, so the add promotes as
 before.)
 
 It assumes what `safe_softmax_as_softmax` assumes: the scores are finite (finite q
-and k whose products do not overflow). Declines: a mask not a floating-point
+and k whose products do not overflow), and so are their sums with the mask's finite
+entries (a finfo.min mask plus a score beyond -1e31 in float32 would round to -inf
+and count as masked for the guard, not here). Declines: a mask not a floating-point
 tensor; scores read by more than the softmax and the guard; a guarded softmax the
 program returns. Runs on the ATen program, before decomposition; a program holding
 an SDPA (or a `_safe_softmax`) is decomposed with the lowering's own table first.
