@@ -378,12 +378,17 @@ def is_channels_last(value) -> bool:
 
 
 def call_with_value(
-    graph: torch.fx.Graph, target, args: tuple, value: object, meta: dict | None = None
+    graph: torch.fx.Graph,
+    target,
+    args: tuple,
+    value: object,
+    meta: dict | None = None,
+    kwargs: dict | None = None,
 ) -> torch.fx.Node:
-    """`target(*args)` at the graph's insertion point, its fake value `value`: the node
-    gets a copy of `meta` (a node's metadata it stands in for) with that value, or, with
-    no `meta`, only the value."""
-    node = graph.call_function(target, args)
+    """`target(*args, **kwargs)` at the graph's insertion point, its fake value `value`:
+    the node gets a copy of `meta` (a node's metadata it stands in for) with that value,
+    or, with no `meta`, only the value."""
+    node = graph.call_function(target, args, kwargs or {})
     if meta is None:
         node.meta["val"] = value
     else:

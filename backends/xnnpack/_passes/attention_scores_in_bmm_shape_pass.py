@@ -6,37 +6,39 @@
 
 """Keep attention's scores in the batched-matmul shape between its two matmuls.
 
-Given:   s = view(bmm(q, k), [1, H, t, u])          bmm(q, k): [H, t, u]
+Given:   s = view(bmm(q, k), [B, H, t, u])          bmm(q, k): [B*H, t, u]
          p = f(s)                                   f: `+ m`, `* c`, `/ c`, a softmax
                                                        over the last dim, expands to
                                                        the same shape, and the safe
                                                        softmax's guard (below)
-         o = bmm(view(p, [H, t, u]), v)
-Result:  p' = f'(bmm(q, k))                         f' reads m squeezed of its leading 1
-         o = bmm(p', v)
+         o = bmm(view(p, [B*H, t, u]), v)
+Result:  p' = f'(bmm(q, k))                         f' reads each 4-D mask m viewed
+         o = bmm(p', v)                                without its leading 1
 
 The guard is what SDPA writes when a mask may hide a whole row:
          g = where(logical_not(any(logical_not(eq(s + m, -inf)), -1, keepdim)),
                    full_like(softmax(s + m), 0), softmax(s + m))
 
-A view that prepends or drops a leading 1 moves no data, and every op of f is
-elementwise, normalizes along the last dim, or reduces it keeping it as 1; every
-value of f is 4-D with a leading 1 (checked), so broadcasting, aligned from the
-last dim, gives on the [H, t, u] tensors the same values with that 1 dropped; a
-mask of rank 4 broadcast over `[1, H, t, u]` has a leading 1 (or the values would
-not), which a squeeze drops. Why: torch's SDPA decomposition writes these views,
-and on a dynamic sequence each holds the sequence size twice (t and u), so
-XNNPACK's reshape, which infers one size, takes neither: each attention layer
-splits into three delegates around them. Only then is it rewritten: a static
-program keeps its views, which XNNPACK delegates.
+A view that splits the leading dim into [B, H] (or merges them back) keeps the
+elements of each [t, u] matrix in place: matrix i of the bmm is matrix (i // H, i %
+H) of s. Every op of f is elementwise, normalizes along the last dim, or reduces it
+keeping it as 1, so on the [B*H, t, u] tensors it computes the same values, matrix
+for matrix, provided every operand it reads from outside f takes the same value for
+each matrix: a mask broadcast over B and H (dims 0 and 1 are 1 or absent, checked),
+which a view dropping its leading 1 makes 3-D with a leading 1, broadcast over B*H;
+every value of f is 4-D with the leading [B, H] (checked). Why: torch's SDPA
+decomposition writes these views, and on a dynamic sequence each holds the sequence
+size twice (t and u), so XNNPACK's reshape, which infers one size, takes neither:
+each attention layer splits into three delegates around them. Only then is it
+rewritten: a static program keeps its views, which XNNPACK delegates.
 
 f is the region between the views: every op reached from `s` before the view
 back. Declines: a view whose sizes XNNPACK's reshape takes (nothing to gain), an
 op of the region outside f's set, the scores leaving through other than one view
-back, a value of f not 4-D with a leading 1, an op of f reading a value from
-outside it other than as its mask, no softmax. Runs on the ATen program, before
-decomposition; a program holding an SDPA is decomposed first with the lowering's
-table.
+back, a value of f not 4-D with the view's leading [B, H], an op of f reading a
+value from outside it other than as a mask broadcast over B and H, no softmax.
+Runs on the ATen program, before decomposition; a program holding an SDPA is
+decomposed first with the lowering's table.
 """
 
 from __future__ import annotations
@@ -82,19 +84,19 @@ SCORES_RANK = 4  # the region reads view(bmm, [1, H, t, u])
 
 @dataclass(frozen=True)
 class ScoresChain:
-    lifted: Node  # view(bmm, [1, H, t, u])
+    lifted: Node  # view(bmm, [B, H, t, u])
     chain: tuple[Node, ...]  # the region's ops between the views, in graph order
-    lowered: Node  # view(the region's last value, [H, t, u])
+    lowered: Node  # view(the region's last value, [B*H, t, u])
     dropped: frozenset[Node]  # the region's same-shape expands
 
 
-def _prepends_one(view: Node) -> bool:
-    """`view` gives its 3-D input's shape with a leading 1."""
+def splits_leading_dim(view: Node) -> bool:
+    """`view` gives its 3-D input's shape with the leading dim split in two, [B, H]."""
     source, value = node_value(view.args[0]), node_value(view)
     if source is None or value is None or source.dim() != 3 or value.dim() != 4:
         return False
-    return sizes_known_equal(value.shape[0], 1) and shapes_known_equal(
-        value.shape[1:], source.shape
+    return sizes_known_equal(value.shape[0] * value.shape[1], source.shape[0]) and (
+        shapes_known_equal(value.shape[2:], source.shape[1:])
     )
 
 
@@ -106,11 +108,15 @@ def _is_identity_expand(node: Node) -> bool:
 
 
 def _is_mask(operand: object) -> bool:
-    """A second operand an elementwise op of f may read from outside it."""
+    """A second operand an elementwise op of f may read from outside it: a number, or a
+    tensor broadcast over B and H (its dims aligned to the scores' 0 and 1 are 1)."""
     if not isinstance(operand, Node):
         return isinstance(operand, (int, float))
     mask = node_value(operand)
-    return mask is not None and (mask.dim() < 4 or sizes_known_equal(mask.shape[0], 1))
+    if mask is None or mask.dim() > 4:
+        return False
+    leading = mask.shape[: max(0, mask.dim() - 2)]
+    return all(sizes_known_equal(size, 1) for size in leading)
 
 
 def _region_op(node: Node) -> bool:
@@ -160,13 +166,15 @@ def _the_region(lifted: Node) -> tuple[list[Node], Node] | Declined:
                 frontier.append(user)
     if len(views) != 1 or views[0].args[0] not in region:
         return Declined(f"the scores leave through {len(views)} views, not one view back of f")
+    heads = node_value(lifted).shape[:2]
     for node in region:
         value = node_value(node)
-        if value is None or value.dim() != 4 or not sizes_known_equal(value.shape[0], 1):
-            return Declined(f"`{node.name}` is not 4-D with a leading 1")
+        if value is None or value.dim() != 4 or not shapes_known_equal(value.shape[:2], heads):
+            return Declined(f"`{node.name}` is not 4-D with the leading {list(heads)}")
         if outside := _outside_inputs(node, region | {lifted}):
             return Declined(
-                f"`{node.name}` reads `{outside[0].name}` from outside f, not as a mask"
+                f"`{node.name}` reads `{outside[0].name}` from outside f, not as a mask "
+                "broadcast over B and H"
             )
     (lowered,) = views
     order = {node: index for index, node in enumerate(lifted.graph.nodes)}
@@ -178,7 +186,9 @@ def match_scores_chain(node: Node) -> ScoresChain | Declined | None:
     if node.op != "call_function" or node.target not in VIEWS:
         return None
     source = node.args[0]
-    if not (isinstance(source, Node) and source.target is aten.bmm.default and _prepends_one(node)):
+    if not (
+        isinstance(source, Node) and source.target is aten.bmm.default and splits_leading_dim(node)
+    ):
         return None
     if len(symbolic_axes(node_value(node))) < 2:
         return None  # XNNPACK's reshape takes it: nothing to gain
@@ -195,9 +205,21 @@ def match_scores_chain(node: Node) -> ScoresChain | Declined | None:
 
 
 def _squeezed(graph, anchor: Node, mask: Node) -> Node:
+    """`mask` without its leading 1, as a view: where XNNPACK cannot take it (two
+    symbolic sizes), ExecuTorch runs a view as an alias of its input, where a squeeze
+    would copy."""
+    value = node_value(mask)
     with graph.inserting_before(anchor):
-        squeezed = graph.call_function(aten.squeeze.dim, (mask, 0))
-    squeezed.meta = {**mask.meta, "val": node_value(mask).squeeze(0)}
+        sizes: list[object] = []
+        for dim, size in enumerate(value.shape[1:], start=1):
+            if type(size) is int:
+                sizes.append(size)
+                continue
+            read = graph.call_function(aten.sym_size.int, (mask, dim))
+            read.meta["val"] = size
+            sizes.append(read)
+        squeezed = graph.call_function(aten.view.default, (mask, sizes))
+    squeezed.meta = {**mask.meta, "val": value.squeeze(0)}
     return squeezed
 
 

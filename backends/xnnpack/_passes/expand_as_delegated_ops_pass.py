@@ -50,8 +50,9 @@ beyond XNNPACK's, for (b) a dtype XNNPACK does not concatenate here, and for (c)
 expand the program returns (it would return its input as a second output).
 
 Runs on the ATen program, before decomposition; a program holding a batched
-`matmul` is decomposed with the lowering's own table first (what upstream does next
-anyway), so the expands it writes are seen; nothing rewritten, it comes back as it was.
+`matmul` (or an attention, which writes such matmuls) is decomposed with the
+lowering's own table first (what upstream does next anyway), so the expands it
+writes are seen; nothing rewritten, it comes back as it was.
 """
 
 from __future__ import annotations
@@ -323,8 +324,12 @@ def _rewrite_copies(match: ExpandAsDelegatedOps | CatOfOneInput) -> None:
 
 def _makes_expands(node: torch.fx.Node) -> bool:
     """A matmul whose decomposition batches an operand with `expand` (both ranks >= 2,
-    one >= 3)."""
-    if node.op != "call_function" or node.target is not aten.matmul.default:
+    one >= 3), or an attention, whose decomposition writes such matmuls."""
+    if node.op != "call_function":
+        return False
+    if node.target is aten.scaled_dot_product_attention.default:
+        return True
+    if node.target is not aten.matmul.default:
         return False
     ranks = [rank_of(a) or 0 for a in node.args[:2]]
     return min(ranks) >= 2 and max(ranks) >= 3

@@ -212,7 +212,7 @@ def known_when_lowering(
     return None
 
 
-def _guarded_masks(program: ExportedProgram) -> list[Node]:
+def guarded_masks(program: ExportedProgram) -> list[Node]:
     """Every guarded softmax's mask node, in graph order, once each."""
     masks: dict[Node, None] = {}
     for node in program.graph.nodes:
@@ -249,7 +249,7 @@ def mask_values(program: ExportedProgram) -> dict[str, MaskValues | Declined]:
     constants, by constant propagation's select and evaluate, the program untouched;
     one per size when it reads the program's sizes too), or why they are not known
     when lowering."""
-    masks = _guarded_masks(program)
+    masks = guarded_masks(program)
     if not masks:
         return {}
     facts = state_facts(program)

@@ -12,8 +12,10 @@ A value is size-only when it reads no user input's values (sizes only), and has 
 symbolic dim. The ones worth a table are those a user-value computation (or the
 output) reads, each taken at the highest value that only shape ops separate from it.
 Its table is checked bit for bit at every size the bounds allow (`mask_at_every_size`
-owns the sizes and the budget). An attention reading a boolean value as its mask
-gets the float mask its decomposition adds instead: where(v, 0, -inf).
+owns the sizes and the budget). An attention reading a value as its mask gets the
+float mask its decomposition adds instead (a boolean v: where(v, 0, -inf)), without
+the leading 1s it broadcasts: a table worth having even for a mask only sliced from
+a buffer, since it saves that conversion or the views to and from those 1s.
 """
 
 from __future__ import annotations
@@ -133,36 +135,59 @@ def _leading_block(value: torch.Tensor, table: torch.Tensor) -> bool:
 
 
 def mask_readers(node: Node) -> list[Node]:
-    """The attentions reading boolean `node` as their mask, when they are all its readers
-    (but checks) and share one query dtype; else none."""
+    """The attentions reading `node` as their mask, when they are all its readers (but
+    checks), share one query dtype, and the mask is boolean or of that dtype; else none."""
     readers = [u for u in node.users if u.target not in CHECKS]
     masking = [u for u in readers if u.target is SDPA and u.args[MASK_AT:][:1] == (node,)]
     dtypes = {node_value(u.args[0]).dtype for u in masking}
-    if node_value(node).dtype is not torch.bool or masking != readers or len(dtypes) != 1:
+    if masking != readers or len(dtypes) != 1:
         return []
-    return masking
+    return masking if node_value(node).dtype in (torch.bool, *dtypes) else []
+
+
+def _leading_ones(value: torch.Tensor, lengths) -> int:
+    """How many leading dims of size 1 an attention's mask drops (it broadcasts them):
+    all but the last two, and none when a symbolic dim is among them."""
+    ones = 0
+    while ones < value.dim() - 2 and value.shape[ones] == 1:
+        ones += 1
+    return 0 if any(dim < ones for dim, _ in lengths) else ones
 
 
 def additive_mask(table: Table, masking: list[Node]) -> Table:
-    """The float mask attention adds for boolean `table` (0 kept, -inf masked) in the
-    query's dtype, without leading dims of size 1: attention broadcasts its mask, and
-    XNNPACK views a tensor with one symbolic dim at most."""
-    ones = 0
-    while ones < table.value.dim() - 2 and table.value.shape[ones] == 1:
-        ones += 1
-    if any(dim < ones for dim, _ in table.lengths):
-        ones = 0
+    """The float mask attention adds for `table` in the query's dtype (a boolean one: 0
+    kept, -inf masked; a float one as it is), without leading dims of size 1: attention
+    broadcasts its mask, and XNNPACK views a tensor with one symbolic dim at most."""
+    ones = _leading_ones(table.value, table.lengths)
     dtype = node_value(masking[0].args[0]).dtype
-    value = torch.where(table.value, 0.0, -math.inf).to(dtype)
+    value = table.value
+    if value.dtype is torch.bool:
+        value = torch.where(value, 0.0, -math.inf).to(dtype)
     lengths = tuple((dim - ones, length) for dim, length in table.lengths)
     names = tuple(a.name for a in masking)
     return Table(value.reshape(value.shape[ones:]), lengths, table.sizes, names)
 
 
+def _worth_a_table(node: Node) -> bool:
+    """A table saves ops: `node` is computed (not only moved and sliced), or attention
+    reads it as a mask the table gives in its added form, converted or with fewer dims."""
+    if _computes(node):
+        return True
+    if not mask_readers(node):
+        return False
+    value = node_value(node)
+    return value.dtype is torch.bool or _leading_ones(value, _symbolic_lengths(value)) > 0
+
+
+def _symbolic_lengths(value: torch.Tensor) -> tuple[tuple[int, str], ...]:
+    return tuple((dim, "") for dim in symbolic_axes(value))
+
+
 def judge_table(node: Node, program: ExportedProgram, facts: StateFacts) -> Table | Declined | None:
     """`node`'s table when `node` is its leading block at every size; why not; None when
-    a table would save nothing (`node` is computed by moves and slices alone)."""
-    if not _computes(node):
+    a table would save nothing (`node` is computed by moves and slices alone, and is no
+    attention's mask whose table drops a conversion or leading dims)."""
+    if not _worth_a_table(node):
         return None
     lengths = _length_nodes(node)
     if isinstance(lengths, Declined):

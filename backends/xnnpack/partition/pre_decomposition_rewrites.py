@@ -40,6 +40,9 @@ from etfold.backends.xnnpack._passes.attention_mask_unexpanded_pass import (
 from etfold.backends.xnnpack._passes.attention_scores_in_bmm_shape_pass import (
     attention_scores_in_bmm_shape,
 )
+from etfold.backends.xnnpack._passes.causal_attention_as_mask_pass import (
+    causal_attentions_as_masks,
+)
 from etfold.backends.xnnpack._passes.clamp_chains_as_one_pass import clamp_chains_as_one
 from etfold.backends.xnnpack._passes.contiguous_last_axis_inputs_pass import (
     read_last_axis_normalizations_contiguous,
@@ -79,6 +82,12 @@ from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
 from etfold.backends.xnnpack._passes.mul_scalar_as_tensor_pass import mul_scalars_as_tensors
 from etfold.backends.xnnpack._passes.safe_softmax_as_softmax_pass import (
     safe_softmaxes_as_softmax,
+)
+from etfold.backends.xnnpack._passes.safe_softmax_guard_from_mask_pass import (
+    safe_softmax_guards_from_masks,
+)
+from etfold.backends.xnnpack._passes.scalar_tensor_as_constant_pass import (
+    scalar_tensors_as_constants,
 )
 from etfold.backends.xnnpack._passes.shape_ops_as_views_pass import (
     delegated_op_names,
@@ -196,6 +205,10 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         after=(_MARKS,),
     ),
     PreDecompositionRewrite(
+        "causal_attentions_as_masks",
+        lambda program, _: causal_attentions_as_masks(program),
+    ),
+    PreDecompositionRewrite(
         "index_by_aranges_as_view",
         lambda program, _: index_by_aranges_as_view(program),
         after=(_MARKS,),
@@ -235,6 +248,7 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
             ("index_by_aranges_as_view", "a view of the mask needs no table"),
             ("attention_masks_all_true_dropped", "a mask dropped needs no table"),
             ("attention_masks_unexpanded", "tables the mask, not its expanded copy"),
+            ("causal_attentions_as_masks", "tables the mask a causal attention stands for"),
         ),
     ),
     PreDecompositionRewrite(
@@ -242,7 +256,11 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         _fold_weights,
         settings=("fold_weights",),
         reads_table=True,
-        after=(_MARKS, ("inline_autocast_regions", "folds the weights autocast regions read")),
+        after=(
+            _MARKS,
+            ("inline_autocast_regions", "folds the weights autocast regions read"),
+            ("causal_attentions_as_masks", "folds the mask a causal attention stands for"),
+        ),
     ),
     PreDecompositionRewrite(
         "safe_softmaxes_as_softmax",
@@ -253,6 +271,14 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         after=(_MARKS,),
     ),
     PreDecompositionRewrite(
+        "safe_softmax_guards_from_masks",
+        lambda program, inputs: safe_softmax_guards_from_masks(program, inputs.table),
+        configs=frozenset({"_softmax.default", "mul.Tensor"}),
+        graph_mode_only=True,
+        reads_table=True,
+        after=(("safe_softmaxes_as_softmax", "drops the guards no row needs, before any is kept"),),
+    ),
+    PreDecompositionRewrite(
         "attention_scores_in_bmm_shape",
         lambda program, inputs: attention_scores_in_bmm_shape(program, inputs.table),
         configs=frozenset({"bmm.default", "_softmax.default"}),
@@ -260,6 +286,7 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         reads_table=True,
         after=(
             ("safe_softmaxes_as_softmax", "the guard, dropped, leaves softmax the chain's end"),
+            ("safe_softmax_guards_from_masks", "the guard, a multiply, keeps the chain whole"),
         ),
     ),
     PreDecompositionRewrite(
@@ -336,6 +363,12 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         configs=frozenset({"mul.Tensor"}),
         bf16_ops=("mul.Tensor",),
         reads_table=True,
+    ),
+    PreDecompositionRewrite(
+        "scalar_tensors_as_constants",
+        lambda program, inputs: scalar_tensors_as_constants(program, inputs.table),
+        reads_table=True,
+        after=(("fold_gemm_weights", "folds a constant mask's whole conversion, scalars and all"),),
     ),
 )
 

@@ -51,6 +51,7 @@ from etfold.exir.passes.graph_walk import (
     is_plain_tensor,
     op_qualified_name,
 )
+from etfold.exir.program.buffer_marks import BUFFER_FOLD_BLOCKERS
 
 UPSTREAM_PREFIX = "_prop_tensor_constant"
 _FOLD_SUFFIX = re.compile(rf"_prop_[0-9a-f]{{64}}(_[0-9a-f]{{{NAME_DIGEST_LENGTH}}})?$")
@@ -80,6 +81,8 @@ class Materialization:
     custom: dict | None
     tensor: torch.Tensor
     ops_folded: int
+    # a folded buffer's fold verdict, carried from its buffer sources (None: not judged)
+    buffer_fold_blockers: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,18 @@ def stored_and_erased(evaluation: Evaluation) -> tuple[list[torch.fx.Node], set[
     return stored, removed - set(stored)
 
 
+def carried_blockers(leaves: Iterable[ConstantSource]) -> tuple[str, ...] | None:
+    """A buffer folded from buffers is judged as they were: every buffer source's
+    cross-method verdict, joined; None when some source was never judged."""
+    verdicts = [leaf.node.meta.get(BUFFER_FOLD_BLOCKERS) for leaf in leaves]
+    verdicts = [
+        v for v, leaf in zip(verdicts, leaves, strict=True) if leaf.kind == InputKind.BUFFER
+    ]
+    if not verdicts or any(v is None for v in verdicts):
+        return None
+    return tuple(dict.fromkeys(reason for verdict in verdicts for reason in verdict))
+
+
 def name_fold(
     ep: ExportedProgram,
     node: torch.fx.Node,
@@ -196,12 +211,13 @@ def name_fold(
 ) -> Materialization | Declined:
     expression, leaves = fold_expression(node, selection.sources)
     agreed = selection.custom[node]
-    kind, target, persistent = InputKind.CONSTANT_TENSOR, None, True
+    kind, target, persistent, blockers = InputKind.CONSTANT_TENSOR, None, True, None
     if register_like_source:
         kind, first = _registered_kind(leaves)
         digest = hashlib.sha256(expression.encode()).hexdigest()
         stem = f"{fold_root(first.fqn) if first else ''}_prop_{digest}"
         persistent = (first.persistent if first else None) if kind == InputKind.BUFFER else None
+        blockers = carried_blockers(leaves) if kind == InputKind.BUFFER else None
         names = constant_names(stem, tensor)
         target = next((n for n in names if not _name_taken_by_other_data(ep, n, tensor)), None)
         if target is None:
@@ -214,6 +230,7 @@ def name_fold(
         custom=None if agreed is UNSET or not agreed else agreed,
         tensor=tensor,
         ops_folded=expression.count("\n") - len(leaves),
+        buffer_fold_blockers=blockers,
     )
 
 

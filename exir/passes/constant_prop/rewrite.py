@@ -37,6 +37,7 @@ from etfold.exir.passes.constant_prop.name import (
 from etfold.exir.passes.constant_prop.verdicts import SourcePolicy, constant_sources
 from etfold.exir.passes.graph_walk import PLACEHOLDER_RANK, input_kinds
 from etfold.exir.passes.node_shapes import node_value
+from etfold.exir.program.buffer_marks import BUFFER_FOLD_BLOCKERS
 
 _PLACEHOLDER_PREFIX = {InputKind.PARAMETER: "p_", InputKind.BUFFER: "b_"}
 
@@ -122,6 +123,8 @@ def _new_placeholder(
         placeholder.meta.update(fold.node.meta)
     elif fold.custom is not None:
         placeholder.meta["custom"] = dict(fold.custom)
+    if fold.buffer_fold_blockers is not None:
+        placeholder.meta[BUFFER_FOLD_BLOCKERS] = fold.buffer_fold_blockers
     placeholder.meta["val"] = fake_mode.from_tensor(fold.tensor, static_shapes=True)
     spec = InputSpec(fold.kind, TensorArgument(name=placeholder.name), target, fold.persistent)
     inputs.add(placeholder, spec)

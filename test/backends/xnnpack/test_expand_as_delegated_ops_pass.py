@@ -435,3 +435,24 @@ def test_an_expand_that_sets_the_shape_alone_is_copied_not_dropped():
     assert targets.count(torch.ops.aten.cat.default) == 1
     x = torch.randn(1, 4)
     assert torch.equal(rewritten.module()(x), Scaled()(x))
+
+
+class MaskedAttentionCall(torch.nn.Module):
+    def forward(self, q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_an_attentions_expands_are_seen_in_its_decomposition():
+    """SDPA's decomposition batches q, k and v with expands of their own shape (no-ops):
+    the program is decomposed first, so they go (the attention holds no batched
+    `matmul` for `_makes_expands` to find before decomposition)."""
+    q = torch.randn(1, 2, 5, 4)
+    inputs = (q, q.clone(), q.clone(), torch.zeros(1, 1, 5, 5))
+    program = torch.export.export(MaskedAttentionCall(), inputs)
+    table = XnnpackPartitioner()._decomposition_table(program)
+    with collect_decisions() as decisions:
+        rewritten = expands_as_delegated_ops(program, table, ALL_BROADCASTING, bf16=False)
+    applied = [d.detail for d in decisions if d.fold == FOLD and d.applied]
+    assert applied and set(applied) == {"a no-op: its input is read instead"}
+    assert torch.ops.aten.expand.default not in {n.target for n in rewritten.graph.nodes}
+    torch.testing.assert_close(rewritten.module()(*inputs), program.module()(*inputs))

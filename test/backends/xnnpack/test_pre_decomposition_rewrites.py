@@ -33,6 +33,7 @@ DECLARED = [
     "read_last_axis_normalizations_contiguous",
     "embeddings_of_one_index_as_rows",
     "embeddings_of_positions_as_table_slices",
+    "causal_attentions_as_masks",
     "index_by_aranges_as_view",
     "ands_all_true_as_other_operand",
     "attention_masks_all_true_dropped",
@@ -40,6 +41,7 @@ DECLARED = [
     "size_only_values_as_table_slices",
     "fold_gemm_weights",
     "safe_softmaxes_as_softmax",
+    "safe_softmax_guards_from_masks",
     "attention_scores_in_bmm_shape",
     "expands_as_delegated_ops",
     "last_dim_unbinds_and_stacks_transposed",
@@ -50,9 +52,11 @@ DECLARED = [
     "elementwise_ops_before_slices",
     "conv_tail_slices_as_padding",
     "mul_scalars_as_tensors",
+    "scalar_tensors_as_constants",
 ]
 GRAPH_MODE_ONLY = {
     "safe_softmaxes_as_softmax",
+    "safe_softmax_guards_from_masks",
     "attention_scores_in_bmm_shape",
     "expands_as_delegated_ops",
     "last_dim_unbinds_and_stacks_transposed",
@@ -120,7 +124,14 @@ def test_the_partitioners_flags_enable_their_rewrites():
 @pytest.mark.parametrize(
     ("missing", "skipped"),
     [
-        ("_softmax.default", {"safe_softmaxes_as_softmax", "attention_scores_in_bmm_shape"}),
+        (
+            "_softmax.default",
+            {
+                "safe_softmaxes_as_softmax",
+                "safe_softmax_guards_from_masks",
+                "attention_scores_in_bmm_shape",
+            },
+        ),
         ("mean.dim", {"layer_norms_as_delegated_ops", "means_over_last_dim_as_pooling"}),
         (
             "slice_copy.Tensor",

@@ -30,9 +30,11 @@ from etfold.harness.dynamic_pairs import (
     decisions_apart,
     lower_xnnpack_pair,
 )
+from etfold.harness.masked_attention import MaskedAttention, masked_inputs, masked_length
 from etfold.harness.sequence_models import TOKEN_LENGTH, token_ids
 
 SLICE = "aten.slice_copy.Tensor"
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -231,3 +233,65 @@ def test_generated_size_only_values_keep_every_bit_or_are_declined(chain, compar
     assert _same_bits(
         _decomposed_outputs(rewritten, lengths), _decomposed_outputs(program, lengths)
     )
+
+
+def _masked_export(kind: str):
+    module = MaskedAttention(kind).eval()
+    length = masked_length(kind, "11TT")
+    make = masked_inputs(kind, "11TT", 1)
+    program = torch.export.export(
+        module, make(length.traced), dynamic_shapes=length.dynamic_shapes()
+    )
+    mark_for_lowering({"forward": program})
+    return program, make, length
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "buffer",
+        "additive",
+        pytest.param("additive_buffer", marks=pytest.mark.long),
+        pytest.param("finfo_min", marks=pytest.mark.long),
+    ],
+)
+def test_an_attentions_mask_is_tabled_as_the_float_it_adds_without_its_leading_ones(kind):
+    """A [1, 1, t, t] mask, boolean or float, sliced from a buffer or computed: the
+    attention reads a [t, t] slice of its additive table (no conversion, no view)."""
+    program, make, length = _masked_export(kind)
+    with collect_decisions() as decisions:
+        rewritten = size_only_values_as_table_slices(program)
+    (applied,) = [d for d in decisions if d.fold == FOLD]
+    assert applied.applied and "additive float mask" in applied.detail, applied
+    (attention,) = [n for n in rewritten.graph.nodes if n.target is SDPA]
+    assert attention.args[3].meta["val"].dim() == 2
+    lengths = range(length.low, length.high + 1, 5)
+
+    def outputs(p):
+        module = p.run_decompositions().module()
+        return [module(*make(n)) for n in lengths]
+
+    assert _same_bits(outputs(rewritten), outputs(program))
+
+
+class SlicedSquareMask(torch.nn.Module):
+    """A float [t, t] mask sliced from a 2-D buffer: no conversion or view to save."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("bias", torch.full((30, 30), float("-inf")).triu(1))
+
+    def forward(self, x):
+        t = x.shape[2]
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=self.bias[:t, :t])
+
+
+def test_a_mask_only_sliced_from_a_buffer_in_its_added_form_gets_no_table():
+    length = torch.export.Dim("t", min=2, max=20)
+    program = torch.export.export(
+        SlicedSquareMask(), (torch.randn(1, 2, 6, 4),), dynamic_shapes=({2: length},)
+    )
+    mark_for_lowering({"forward": program})
+    with collect_decisions() as decisions:
+        assert size_only_values_as_table_slices(program) is program
+    assert [d for d in decisions if d.fold == FOLD] == []

@@ -43,6 +43,7 @@ from etfold.exir.passes.graph_walk import (
     op_qualified_name,
     tensor_digest,
 )
+from etfold.exir.program.buffer_marks import BUFFER_FOLD_BLOCKERS
 from etfold.harness.external_data import data_files, data_keys, load_with_data
 from etfold.harness.xnnpack_runner import assert_close, export_method, load_program, lower_xnnpack
 
@@ -501,6 +502,49 @@ def test_fold_buffers_true_folds_the_buffer_and_clones_it_as_output():
     assert "aten.sqrt.default" not in ops(ep) and ops(ep).count("aten.clone.default") == 1
     _, out = on_xnnpack(ep, x)
     assert_close(out, eager(model, x), atol=1e-4)
+
+
+class TwoBuffers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("gain", torch.rand(8) + 0.5)
+        self.register_buffer("bias", torch.rand(8))
+
+    def forward(self, x):
+        return x * self.gain.sqrt() + self.bias
+
+
+def _buffer_verdicts(ep, verdicts: dict) -> dict:
+    """Each placeholder's cross-method verdict after setting `verdicts` on the sources."""
+    for node in ep.graph.nodes:
+        if node.op == "placeholder" and node.name in verdicts:
+            node.meta[BUFFER_FOLD_BLOCKERS] = verdicts[node.name]
+    constant_prop_pass(ep, register_like_source=True)
+    return {
+        n.name: n.meta.get(BUFFER_FOLD_BLOCKERS) for n in ep.graph.nodes if n.op == "placeholder"
+    }
+
+
+@pytest.mark.parametrize(
+    ("sources", "folded"),
+    [
+        ({"b_gain": ()}, ()),
+        ({"b_gain": ("method `update` may write it (aten.mul_.Tensor)",)}, None),
+        ({}, None),
+    ],
+    ids=["judged", "judged-blocked", "never-judged"],
+)
+def test_a_folded_buffer_keeps_its_sources_verdict(sources, folded):
+    """A buffer folded from judged buffers is judged as they were (a blocked one
+    carries its reasons); from a buffer never judged, it is never judged either."""
+    if folded is None and sources:
+        folded = sources["b_gain"]
+    model, x = TwoBuffers(), torch.randn(2, 8)
+    ep = export(model, x)
+    verdicts = _buffer_verdicts(ep, sources)
+    (new,) = [name for name in verdicts if name.startswith("b_gain_prop_")]
+    assert verdicts[new] == folded
+    assert_close([ep.module()(x)], eager(model, x), atol=1e-6)
 
 
 # --- 4. non-tensor results -------------------------------------------------------------------
