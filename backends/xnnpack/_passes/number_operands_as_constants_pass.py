@@ -1,0 +1,110 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""Write a number operand the lowering would convert on every call as the constant it converts to.
+
+Given:   y = op(x, s)          op: add, sub, mul, div (.Tensor, alpha 1); x a float tensor;
+                               s a Python number with dtype(tensor(s)) != x.dtype
+Result:  y = op(x, c)          c = tensor(s).to(x.dtype), a 0-d lifted constant
+
+Why: ExecuTorch's edge lowering lifts a number operand into a 0-d constant
+`tensor(s)`: int64 for an int, float32 for a float. When that is not x's dtype
+(an int with a float32 x, any number with a float16 or bfloat16 x) it converts
+the constant to x's dtype with `_to_dim_order_copy`, a convert XNNPACK never
+takes for a constant, so the convert runs outside every delegate on every call
+and the delegate reads its result as a runtime input. The decompositions of
+pointwise ops write such numbers: hardsigmoid is `clamp(x + 3, 0, 6) / 6`,
+and GPT-2's `gelu_new` adds 1 to a tanh.
+
+Exact: c is the value that convert computes, once, when lowering; every op then
+reads the same numbers as before.
+
+Runs on the ATen program, before decomposition. When the lowering will decompose
+a pointwise op (whose decomposition may write such numbers), the program is
+decomposed with the lowering's own table first and the rewrite runs on the
+result; when nothing is rewritten the program comes back undecomposed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+
+from etfold.backends.xnnpack._passes.decomposed_first import decomposed_for
+from etfold.decisions import record_applied
+from etfold.exir.passes.graph_walk import add_lifted_constant, underlying_op
+from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_shapes import node_value
+
+FOLD = "xnnpack.number_operand_as_constant"
+
+aten = torch.ops.aten
+NUMBER_OPERAND_OPS = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor})
+
+
+@dataclass(frozen=True)
+class NumberOperand:
+    node: torch.fx.Node
+    constant: torch.Tensor  # tensor(s).to(x.dtype), 0-d
+
+
+def lifted_as(number: object) -> torch.Tensor | None:
+    """The 0-d tensor ExecuTorch's edge lowering lifts a number operand into; None for
+    anything that is not a plain number (a bool, a symbolic size, a tensor)."""
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        return None
+    try:
+        return torch.tensor(number)
+    except RuntimeError:  # an int beyond int64: never lifted as one
+        return None
+
+
+def match_number_operand(node: torch.fx.Node) -> NumberOperand | None:
+    """A binary op of a float tensor and a number the lowering would convert; None for
+    anything else (the op is left exactly as it is: nothing is declined)."""
+    if node.op != "call_function" or node.target not in NUMBER_OPERAND_OPS:
+        return None
+    if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    value, lifted = node_value(node.args[0]), lifted_as(node.args[1])
+    if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
+        return None
+    if lifted is None or lifted.dtype == value.dtype:
+        return None
+    return NumberOperand(node, lifted.to(value.dtype))
+
+
+def rewrite_number_operand(match: NumberOperand, program: ExportedProgram) -> None:
+    node = match.node
+    number = node.args[1]
+    constant = add_lifted_constant(program, f"_etfold_{node.name}_number", match.constant)
+    node.args = (node.args[0], constant)
+    record_applied(FOLD, node.name, f"number {number!r} as a {match.constant.dtype} constant")
+
+
+def decomposes_pointwise(node: torch.fx.Node) -> bool:
+    """A pointwise op (hardsigmoid, silu, ...): its decomposition may write number operands."""
+    return torch.Tag.pointwise in getattr(underlying_op(node.target), "tags", ())
+
+
+def number_operands_as_constants(
+    program: ExportedProgram, decomposition_table: Mapping | None
+) -> ExportedProgram:
+    """`program`, or a rewritten copy (decomposed with `decomposition_table` where a
+    pointwise op will be) in which each number the lowering would convert is a constant."""
+    candidate = decomposed_for(program, decomposition_table, decomposes_pointwise)
+    copies: list[ExportedProgram] = []
+    rewritten = rewrite_matches_on_a_copy(
+        candidate,
+        match_number_operand,
+        lambda match: rewrite_number_operand(match, copies[-1]),
+        FOLD,
+        on_copy=copies.append,
+    )
+    return program if rewritten is candidate else rewritten
