@@ -36,7 +36,8 @@ delegate shares with an op outside it the same way). Reading W itself there woul
 also cut the delegate: W would join the linear's partition while the embedding
 outside it reads W and feeds the same partition.
 
-Declines: W written by the program, or read by several methods (`source_verdict`);
+Declines: a training program (its parameters stay trainable); W written by the
+program, or read by several methods (`source_verdict`);
 x of a dtype XNNPACK does not compile the linear in here, or quantized; x or the
 result of a rank XNNPACK does not hold. Not judged (left alone): a GEMM of two
 runtime values, a constant on the left, a weight computed from constants (the
@@ -60,7 +61,7 @@ from etfold.backends.xnnpack._passes.delegated_floats import (
     rank_held,
 )
 from etfold.backends.xnnpack.partition.weight_fold_seeds import is_export_check
-from etfold.decisions import Declined, first_declined, record_applied
+from etfold.decisions import Declined, first_declined, record_applied, record_declined
 from etfold.exir.passes.constant_prop.evaluate import evaluate
 from etfold.exir.passes.constant_prop.verdicts import EVERY_METHOD, source_verdict
 from etfold.exir.passes.graph_walk import (
@@ -74,6 +75,7 @@ from etfold.exir.passes.graph_walk import (
     state_facts,
     tensor_digest,
 )
+from etfold.exir.passes.inline_autocast_regions_pass import is_training_program
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 from etfold.exir.passes.node_shapes import node_value
 
@@ -90,6 +92,7 @@ class Operands:
     x: Node
     constant: Node
     holds_transpose: bool
+    broadcast: tuple[Node, ...] = ()  # the expand between the constant and the GEMM
 
 
 @dataclass(frozen=True)
@@ -129,14 +132,15 @@ def _einsum_operands(node: Node) -> Operands | None:
 def _bmm_operands(node: Node) -> Operands | None:
     """x and B of `bmm(x, expand(B, [b, K, N]))`, or of `bmm(x, B)` with B [1, K, N]."""
     x, operand = node.args[:2]
+    broadcast: tuple[Node, ...] = ()
     if isinstance(operand, Node) and operand.target is aten.expand.default:
-        operand = operand.args[0]
+        broadcast, operand = (operand,), operand.args[0]
     value = node_value(operand)
     if not isinstance(value, torch.Tensor) or value.dim() not in (2, 3):
         return None
     if value.dim() == 3 and value.shape[0] != 1:
         return None
-    return Operands(x, operand, holds_transpose=False)
+    return Operands(x, operand, holds_transpose=False, broadcast=broadcast)
 
 
 def gemm_operands(node: Node) -> Operands | None:
@@ -161,10 +165,11 @@ def readers(node: Node) -> list[Node]:
     return [user for user in node.users if not is_export_check(user)]
 
 
-def _other_readers(source: Node, chain: tuple[Node, ...], gemm: Node) -> tuple[str, ...]:
-    """Nodes reading W or one of its re-layouts that are neither the chain nor the GEMM."""
-    inside = {*chain, gemm}
-    found = {user.name for node in (source, *chain) for user in readers(node) if user not in inside}
+def _other_readers(source: Node, path: tuple[Node, ...], gemm: Node) -> tuple[str, ...]:
+    """Nodes reading W, or what the GEMM reads it through (`path`: its re-layouts and
+    broadcast), that are neither on that path nor the GEMM."""
+    inside = {*path, gemm}
+    found = {user.name for node in (source, *path) for user in readers(node) if user not in inside}
     return tuple(sorted(found))
 
 
@@ -216,7 +221,7 @@ def match_gemm(
     weight = matrix_of(operands, chain, source)
     if isinstance(weight, Declined):
         return weight
-    others = _other_readers(root, chain, node)
+    others = _other_readers(root, (*chain, *operands.broadcast), node)
     own = source.tensor
     reads_source = not others and own.shape == weight.shape and torch.equal(own, weight)
     return GemmAsLinear(node, operands.x, source, chain, weight, reads_source)
@@ -277,6 +282,9 @@ def gemms_with_constant_operands_as_linear(
     """`program`, or a rewritten copy where some GEMM with a constant operand is a linear.
 
     `bf16`: whether XNNPACK compiles the linear in bf16 here."""
+    if is_training_program(program):
+        record_declined(FOLD, "program", "training program (backward signature): W stays trainable")
+        return program
     dtypes = delegated_floats(bf16)
     judged = [(program, state_facts(program))]
 

@@ -39,6 +39,7 @@ from torch.export import ExportedProgram
 from etfold.backends.xnnpack._passes.decomposed_first import decomposed_for
 from etfold.decisions import record_applied
 from etfold.exir.passes.graph_walk import add_lifted_constant, underlying_op
+from etfold.exir.passes.inline_autocast_regions_pass import is_training_program
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 from etfold.exir.passes.node_shapes import node_value
 
@@ -98,6 +99,8 @@ def number_operands_as_constants(
 ) -> ExportedProgram:
     """`program`, or a rewritten copy (decomposed with `decomposition_table` where a
     pointwise op will be) in which each number the lowering would convert is a constant."""
+    if is_training_program(program):  # left as it came, as every fold leaves one
+        return program
     candidate = decomposed_for(program, decomposition_table, decomposes_pointwise)
     copies: list[ExportedProgram] = []
     rewritten = rewrite_matches_on_a_copy(

@@ -27,13 +27,16 @@ where x >= c and c elsewhere, NaN for NaN, as `where(x < c, c, x)` is. The only
 difference is the sign of a zero result (the runtime's leaky ReLU with a
 negative slope gives +0 for +0, `a * x` gives -0; `x <= 0` with c = 0 gives +0
 for -0): the numbers are equal. Measured on the executorch 1.5.1 runtime,
-XNNPACK's clamp and leaky ReLU give NaN for NaN, as PyTorch's do.
+XNNPACK's leaky ReLU gives NaN for NaN as PyTorch's does, in every dtype; its
+clamp does in float32 and bfloat16, but its float16 clamp gives a bound (as its
+float16 relu and hardtanh, which upstream delegates, give 0 and -1).
 
 Declines, each for a reason that is not a shape:
 - `where(x > c, x, c)`, `where(x < c, x, c)` (and >=, <=): they give c for a NaN x,
   where clamp, and maximum/minimum, give NaN;
 - `where(x > y, x, y)` of two tensors: NaN again (x NaN gives y), and XNNPACK's
   maximum does not propagate NaN either;
+- a clamp form in float16: XNNPACK's float16 clamp loses NaN (above);
 - in float16 / bfloat16, a number (slope, bound) that is not a value of the dtype:
   eager compares and multiplies with it unrounded, the runtime with it rounded;
 - an input dtype XNNPACK does not compile the op in here; a quantized input.
@@ -141,6 +144,20 @@ def in_input_dtype(node: Node, dtype: torch.dtype) -> Declined | None:
     return None
 
 
+# measured on the executorch 1.5.1 runtime: XNNPACK's float16 clamp (relu and hardtanh
+# alike) gives a bound for NaN (clamp(NaN, max=0.5) is -inf); float32 and bfloat16 give NaN
+CLAMP_LOSES_NAN = frozenset({torch.float16})
+
+
+def nan_kept(target: object, dtype: torch.dtype) -> Declined | None:
+    if target is aten.clamp.default and dtype in CLAMP_LOSES_NAN:
+        return Declined(
+            f"XNNPACK's {dtype} clamp gives a bound for NaN, the where gives NaN: "
+            "a clamp form stays a where in this dtype"
+        )
+    return None
+
+
 def numbers_exact(numbers: tuple, dtype: torch.dtype) -> Declined | None:
     if dtype == torch.float32:
         return None
@@ -195,6 +212,7 @@ def match_where(node: Node, dtypes: Collection[torch.dtype]) -> WhereAsOneOp | D
     declined = first_declined(
         lambda: dtype_taken(value, dtypes, OP_NAMES[result.target]),
         lambda: in_input_dtype(node, value.dtype),
+        lambda: nan_kept(result.target, value.dtype),
         lambda: numbers_exact(numbers, value.dtype),
         lambda: not_quantized(found.source, "the op would need quantization"),
     )

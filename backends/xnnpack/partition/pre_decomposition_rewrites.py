@@ -199,6 +199,19 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         lambda program, _: read_last_axis_normalizations_contiguous(program),
     ),
     PreDecompositionRewrite(
+        "gemms_with_constant_operands_as_linear",
+        lambda program, inputs: gemms_with_constant_operands_as_linear(program, bf16=inputs.bf16),
+        configs=frozenset({"linear.default"}),
+        graph_mode_only=True,
+        bf16_ops=("linear.default",),
+        # before the size-only tables, which would table a constant broadcast to a dynamic batch
+        after=(
+            _MARKS,
+            ("inline_autocast_regions", "sees the GEMMs autocast regions hold"),
+            ("widen_half_precision_ops", "a widened bf16 matmul reads its weight converted"),
+        ),
+    ),
+    PreDecompositionRewrite(
         "embeddings_of_one_index_as_rows",
         lambda program, _: embeddings_of_one_index_as_rows(program),
         # before the weight fold, which copies a buffer it reads into one unjudged
@@ -250,18 +263,6 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
             ("index_by_aranges_as_view", "a view of the mask needs no table"),
             ("attention_masks_all_true_dropped", "a mask dropped needs no table"),
             ("attention_masks_unexpanded", "tables the mask, not its expanded copy"),
-        ),
-    ),
-    PreDecompositionRewrite(
-        "gemms_with_constant_operands_as_linear",
-        lambda program, inputs: gemms_with_constant_operands_as_linear(program, bf16=inputs.bf16),
-        configs=frozenset({"linear.default"}),
-        graph_mode_only=True,
-        bf16_ops=("linear.default",),
-        after=(
-            _MARKS,
-            ("inline_autocast_regions", "sees the GEMMs autocast regions hold"),
-            ("widen_half_precision_ops", "a widened bf16 matmul reads its weight converted"),
         ),
     ),
     PreDecompositionRewrite(
@@ -335,6 +336,7 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         configs=frozenset({"mean.dim", "view_copy.default", "permute_copy.default"}),
         graph_mode_only=True,
         bf16_ops=("mean.dim", "permute_copy.default", "mul.Tensor"),
+        after=(("widen_half_precision_ops", "sees the bf16 means it widens to float32"),),
     ),
     PreDecompositionRewrite(
         "means_over_last_dim_as_pooling",
@@ -379,8 +381,8 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
     PreDecompositionRewrite(
         "pows_of_small_integers_as_multiplies",
         lambda program, inputs: pows_of_small_integers_as_multiplies(program, bf16=inputs.bf16),
-        configs=frozenset({"mul.Tensor", "div.Tensor"}),
-        bf16_ops=("mul.Tensor", "div.Tensor"),
+        configs=frozenset({"mul.Tensor"}),
+        bf16_ops=("mul.Tensor",),
     ),
     PreDecompositionRewrite(
         "mul_scalars_as_tensors",
