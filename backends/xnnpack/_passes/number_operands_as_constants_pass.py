@@ -23,13 +23,15 @@ Exact: c is the value that convert computes, once, when lowering; every op then
 reads the same numbers as before.
 
 Runs on the ATen program, before decomposition. When the lowering will decompose
-a pointwise op (whose decomposition may write such numbers), the program is
-decomposed with the lowering's own table first and the rewrite runs on the
-result; when nothing is rewritten the program comes back undecomposed.
+a pointwise op whose decomposition writes such a number (found by tracing the
+decomposition once on one-element samples), the program is decomposed with the
+lowering's own table first and the rewrite runs on the result; when nothing is
+rewritten the program comes back undecomposed.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -89,9 +91,54 @@ def rewrite_number_operand(match: NumberOperand, program: ExportedProgram) -> No
     record_applied(FOLD, node.name, f"number {number!r} as a {match.constant.dtype} constant")
 
 
-def decomposes_pointwise(node: torch.fx.Node) -> bool:
-    """A pointwise op (hardsigmoid, silu, ...): its decomposition may write number operands."""
-    return torch.Tag.pointwise in getattr(underlying_op(node.target), "tags", ())
+def _sample(argument: object) -> object:
+    """A one-element tensor of a tensor argument's dtype and rank; any other argument as it
+    is; a TypeError for one that cannot key the memo (a symbolic size, a list of nodes)."""
+    if isinstance(argument, torch.fx.Node):
+        value = node_value(argument)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(argument.name)
+        return torch.zeros((1,) * value.dim(), dtype=value.dtype)
+    hash(argument)
+    return argument
+
+
+def _key(sample: object) -> object:
+    if isinstance(sample, torch.Tensor):
+        return sample.dtype, sample.dim()
+    return type(sample), sample
+
+
+# (decomposition, argument dtypes, ranks and numbers) -> whether it writes such a number
+_TRACED: dict = {}
+
+
+def _traces_numbers(decomposition, args: tuple, kwargs: dict) -> bool:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        traced = make_fx(functools.partial(decomposition, **kwargs))(*args)
+    except Exception:  # it cannot run on samples: the program is decomposed to see
+        return True
+    return any(match_number_operand(node) is not None for node in traced.graph.nodes)
+
+
+def decomposition_writes_numbers(node: torch.fx.Node, table: Mapping) -> bool:
+    """A pointwise op whose decomposition in `table` writes a number operand the lowering
+    would convert (hardsigmoid's `x + 3`; not silu's `x * sigmoid(x)`): traced once per
+    decomposition, argument dtypes, ranks and numbers, on one-element samples."""
+    op = underlying_op(node.target)
+    if torch.Tag.pointwise not in getattr(op, "tags", ()) or op not in table:
+        return False
+    try:
+        args = tuple(_sample(a) for a in node.args)
+        kwargs = {name: _sample(value) for name, value in node.kwargs.items()}
+    except TypeError:
+        return True
+    key = (table[op], tuple(map(_key, args)), tuple((k, _key(v)) for k, v in kwargs.items()))
+    if key not in _TRACED:
+        _TRACED[key] = _traces_numbers(table[op], args, kwargs)
+    return _TRACED[key]
 
 
 def number_operands_as_constants(
@@ -101,7 +148,11 @@ def number_operands_as_constants(
     pointwise op will be) in which each number the lowering would convert is a constant."""
     if is_training_program(program):  # left as it came, as every fold leaves one
         return program
-    candidate = decomposed_for(program, decomposition_table, decomposes_pointwise)
+    candidate = decomposed_for(
+        program,
+        decomposition_table,
+        functools.partial(decomposition_writes_numbers, table=decomposition_table or {}),
+    )
     copies: list[ExportedProgram] = []
     rewritten = rewrite_matches_on_a_copy(
         candidate,

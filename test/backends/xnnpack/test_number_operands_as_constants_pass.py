@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.backends.xnnpack._passes.number_operands_as_constants_pass import (
     FOLD,
+    decomposition_writes_numbers,
     number_operands_as_constants,
 )
 from etfold.decisions import collect_decisions
@@ -106,6 +107,28 @@ def test_int_operands_of_a_float32_tensor_become_float32_constants_and_floats_st
     assert torch.equal(rewritten.module()(x), IntOperands()(x))
     floats = torch.export.export(FloatOperands(), (torch.randn(3, 8),))
     assert number_operands_as_constants(floats, None) is floats  # float32 numbers: no convert
+
+
+def test_only_decompositions_that_write_such_numbers_decompose_the_program_first():
+    """hardsigmoid's decomposition adds 3 and divides by 6; silu's multiplies by a sigmoid:
+    a program with silu alone is handed back as it came, undecomposed."""
+    from executorch.exir.program._program import _default_decomposition_table
+
+    table = dict(_default_decomposition_table().items())
+
+    class Activations(torch.nn.Module):
+        def forward(self, x):
+            return F.hardsigmoid(x), F.silu(x)
+
+    program = torch.export.export(Activations(), (torch.randn(3),))
+    hardsigmoid, silu = [n for n in program.graph.nodes if n.op == "call_function"]
+    assert decomposition_writes_numbers(hardsigmoid, table)
+    assert not decomposition_writes_numbers(silu, table)
+    silu_only = torch.export.export(torch.nn.SiLU(), (torch.randn(3),))
+    assert number_operands_as_constants(silu_only, table) is silu_only
+    rewritten = number_operands_as_constants(program, table)
+    ops = {n.target for n in rewritten.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.hardsigmoid.default not in ops and len(rewritten.constants) == 2
 
 
 @functools.cache
