@@ -41,7 +41,8 @@ program, or read by several methods (`source_verdict`);
 x of a dtype XNNPACK does not compile the linear in here, or quantized; x or the
 result of a rank XNNPACK does not hold. Not judged (left alone): a GEMM of two
 runtime values, a constant on the left, a weight computed from constants (the
-weight fold's), a batched constant operand that is not one matrix broadcast.
+weight fold's), an x computed from constants alone (constant work, the weight
+fold's too), a batched constant operand that is not one matrix broadcast.
 Runs on the ATen program, before decomposition.
 """
 
@@ -60,6 +61,7 @@ from etfold.backends.xnnpack._passes.delegated_floats import (
     not_quantized,
     rank_held,
 )
+from etfold.backends.xnnpack._passes.mask_at_every_size import user_value_readers
 from etfold.backends.xnnpack.partition.weight_fold_seeds import is_export_check
 from etfold.decisions import Declined, first_declined, record_applied, record_declined
 from etfold.exir.passes.constant_prop.evaluate import evaluate
@@ -201,18 +203,32 @@ def x_taken(x: Node, result: Node, dtypes: Collection[torch.dtype]) -> Declined 
     )
 
 
+@dataclass(frozen=True)
+class ProgramFacts:
+    """What matching reads from the whole program, gathered once per program."""
+
+    program: ExportedProgram
+    state: StateFacts
+    runtime: frozenset[Node]  # the nodes that compute from a user input's values
+
+
+def program_facts(program: ExportedProgram) -> ProgramFacts:
+    return ProgramFacts(program, state_facts(program), frozenset(user_value_readers(program)))
+
+
 def match_gemm(
-    node: Node, program: ExportedProgram, facts: StateFacts, dtypes: Collection[torch.dtype]
+    node: Node, facts: ProgramFacts, dtypes: Collection[torch.dtype]
 ) -> GemmAsLinear | Declined | None:
-    """The linear `node` becomes, a reason it stays, or None when it is not ours to judge.
-    `facts` is `state_facts(program)`."""
+    """The linear `node` becomes, a reason it stays, or None when it is not ours to judge."""
     operands = gemm_operands(node)
     if operands is None or not isinstance(operands.x, Node):
         return None
+    if operands.x not in facts.runtime:
+        return None  # constants times constants: the weight fold's to compute when lowering
     root, chain = relayout_root(operands.constant)
     if not isinstance(root, Node) or root.op != "placeholder":
         return None
-    source = source_verdict(program, root, EVERY_METHOD, facts)
+    source = source_verdict(facts.program, root, EVERY_METHOD, facts.state)
     if not isinstance(source, ConstantSource):
         return source  # None: a runtime operand, not ours; else why W is not a constant
     declined = x_taken(operands.x, node, dtypes)
@@ -286,14 +302,14 @@ def gemms_with_constant_operands_as_linear(
         record_declined(FOLD, "program", "training program (backward signature): W stays trainable")
         return program
     dtypes = delegated_floats(bf16)
-    judged = [(program, state_facts(program))]
+    judged = [program_facts(program)]
 
     def on_copy(copied: ExportedProgram) -> None:
-        judged.append((copied, state_facts(copied)))
+        judged.append(program_facts(copied))
 
     def match(node: Node) -> GemmAsLinear | Declined | None:
-        return match_gemm(node, *judged[-1], dtypes)
+        return match_gemm(node, judged[-1], dtypes)
 
     return rewrite_matches_on_a_copy(
-        program, match, lambda found: rewrite_as_linear(found, judged[-1][0]), FOLD, on_copy
+        program, match, lambda found: rewrite_as_linear(found, judged[-1].program), FOLD, on_copy
     )

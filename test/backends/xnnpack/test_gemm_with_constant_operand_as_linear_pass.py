@@ -250,16 +250,23 @@ def test_declines_when_the_input_is_quantized():
     assert reason.startswith("quantized input")
 
 
-def test_a_gemm_of_two_runtime_values_or_a_constant_on_the_left_is_not_judged():
-    class Runtime(torch.nn.Module):
+def test_a_gemm_of_runtime_values_a_constant_on_the_left_or_constants_is_not_judged():
+    """Two runtime values, a constant on the left, or constants alone (an adapter's
+    `a @ b`: constant work, the weight fold's): left as they came, nothing declined."""
+
+    class NotOurs(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.w = torch.nn.Parameter(torch.randn(K, K))
+            self.a, self.b = (
+                torch.nn.Parameter(torch.randn(K, 2)),
+                torch.nn.Parameter(torch.randn(2, K)),
+            )
 
         def forward(self, x, y):
-            return x @ y.T, self.w @ x.T
+            return x @ y.T, self.w @ x.T, torch.nn.functional.linear(x, self.a @ self.b)
 
-    assert _declined_by_pass(Runtime(), (torch.randn(3, K), torch.randn(4, K))) == []
+    assert _declined_by_pass(NotOurs(), (torch.randn(3, K), torch.randn(4, K))) == []
 
 
 @pytest.mark.long
