@@ -179,6 +179,7 @@ def _rows(length: int) -> tuple[torch.Tensor]:
     return (torch.randn(length, 8, generator=torch.Generator().manual_seed(length)),)
 
 
+@pytest.mark.long
 def test_a_dynamic_length_lifts_the_numbers_the_static_one_does_at_every_bound():
     pair = lower_xnnpack_pair(IntOperands, _rows, LengthAxis(((0,),), 1, 32, 4))
     assert decisions_apart(pair, lambda fold: fold == FOLD) == ({}, {})

@@ -64,21 +64,24 @@ def _inputs(rows: int = 2) -> tuple[torch.Tensor]:
     return (x,)
 
 
+ROWS = LengthAxis(((0,),), 1, 16, 4)
+
+
+def _rows(length: int) -> tuple[torch.Tensor]:
+    return _inputs(length)
+
+
 @functools.cache
-def _wheres(partitioner: str):
-    torch.manual_seed(0)
-    if partitioner == "stock":
-        return lower_module_xnnpack(Wheres(), _inputs(), [UpstreamXnnpackPartitioner()]), ()
-    with collect_decisions() as decisions:
-        lowered = lower_module_xnnpack(
-            Wheres(), _inputs(), [XnnpackPartitioner()], lower=to_edge_transform_and_lower
-        )
-    return lowered, tuple(d for d in decisions if d.fold == FOLD)
+def _wheres_pair():
+    return lower_xnnpack_pair(Wheres, _rows, ROWS)
 
 
 def test_each_form_is_one_op_in_the_delegate_bit_for_bit_eager_and_stock():
-    (program, expected), decisions = _wheres("etfold")
-    (stock, _), _ = _wheres("stock")
+    pair = _wheres_pair()
+    program, decisions = pair.static.program, [d for d in pair.static.decisions if d.fold == FOLD]
+    inputs = _rows(ROWS.traced)
+    torch.manual_seed(0)  # the pair's weights
+    stock, expected = lower_module_xnnpack(Wheres(), inputs, [UpstreamXnnpackPartitioner()])
     assert stock.ops_outside()["aten.where.self"] == 7
     assert program.delegates() == 1 and not program.ops_outside()
     assert len(decisions) == 7 and all(d.applied for d in decisions)
@@ -86,10 +89,10 @@ def test_each_form_is_one_op_in_the_delegate_bit_for_bit_eager_and_stock():
         *["leaky_relu"] * 4,
         *["clamp"] * 3,
     ]
-    actual = program.run(*_inputs())
+    actual = program.run(*inputs)
     # the selects bit for bit stock's (the same delegated linear before them), NaN where
     # its NaN, a zero's sign aside; eager's linear rounds its sums in another order
-    assert_close(actual, stock.run(*_inputs()), atol=0)
+    assert_close(actual, stock.run(*inputs), atol=0)
     assert_close(actual, expected, atol=1e-6, rtol=1e-6)
 
 
@@ -106,12 +109,8 @@ def test_the_rewrite_is_leaky_relu_with_the_slope_and_the_comparison_goes():
     assert len([n for n in program.graph.nodes if n.op == "call_function"]) == 3
 
 
-def _rows(length: int) -> tuple[torch.Tensor]:
-    return _inputs(length)
-
-
 def test_a_dynamic_length_writes_the_forms_the_static_one_does_at_every_bound():
-    pair = lower_xnnpack_pair(Wheres, _rows, LengthAxis(((0,),), 1, 16, 4))
+    pair = _wheres_pair()
     assert decisions_apart(pair, lambda fold: fold == FOLD) == ({}, {})
     assert pair.static.program.delegates() == pair.dynamic.program.delegates() == 1
     assert not pair.dynamic.program.ops_outside()
