@@ -153,6 +153,69 @@ def drop_unread(nodes: list[torch.fx.Node]) -> None:
         erased.add(node)
 
 
+_aten = torch.ops.aten
+# ops whose result holds the elements of their first argument, rearranged (or the same):
+# views and layout copies, in the ATen and Edge dialects alike
+RELAYOUT_OPS = frozenset(
+    {
+        _aten.t.default,
+        _aten.t_copy.default,
+        _aten.transpose.int,
+        _aten.transpose_copy.int,
+        _aten.permute.default,
+        _aten.permute_copy.default,
+        _aten.numpy_T.default,
+        _aten.view.default,
+        _aten.view_copy.default,
+        _aten.reshape.default,
+        _aten._unsafe_view.default,
+        _aten.alias.default,
+        _aten.alias_copy.default,
+        _aten.detach.default,
+        _aten.clone.default,
+        _aten.lift_fresh_copy.default,
+        _aten.unsqueeze.default,
+        _aten.unsqueeze_copy.default,
+        _aten.squeeze.dim,
+        _aten.squeeze.dims,
+        _aten.squeeze.default,
+        _aten.squeeze_copy.dim,
+        _aten.squeeze_copy.dims,
+        _aten.flatten.using_ints,
+    }
+)
+# converts: a re-layout only where they keep the dtype
+_CONVERTS = frozenset({_aten.to.dtype, _aten.to.dtype_layout, _aten._to_copy.default})
+
+
+def is_relayout(node: torch.fx.Node) -> bool:
+    """`node` only re-lays out its first argument's elements: a view, a layout copy, or a
+    convert to the dtype it already has. The one answer to "does this op compute"."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    op = underlying_op(node.target)
+    if op in RELAYOUT_OPS:
+        return True
+    before, after = node.args[0].meta.get("val"), node.meta.get("val")
+    return (
+        op in _CONVERTS
+        and isinstance(before, torch.Tensor)
+        and isinstance(after, torch.Tensor)
+        and before.dtype == after.dtype
+        and before.device == after.device
+    )
+
+
+def relayout_root(node: object) -> tuple[object, tuple[torch.fx.Node, ...]]:
+    """What `node`'s elements come from through re-layouts alone, and those re-layouts,
+    root first (none: `node` itself is the root)."""
+    chain = []
+    while isinstance(node, torch.fx.Node) and is_relayout(node):
+        chain.append(node)
+        node = node.args[0]
+    return node, tuple(reversed(chain))
+
+
 def is_plain_tensor(value) -> bool:
     return type(value) in (torch.Tensor, torch.nn.Parameter)
 
@@ -541,6 +604,21 @@ def constant_holding(
         if isinstance(held, torch.Tensor) and equal_tensors(held, tensor):
             return by_name.get(spec.arg.name)
     return None
+
+
+def remove_unread_placeholder(ep: ExportedProgram, node: torch.fx.Node) -> None:
+    """Erase a parameter, buffer or lifted constant that nothing reads any more: its
+    placeholder, its input spec and its stored value."""
+    if node.users:
+        raise ValueError(f"{node.name} is still read by {', '.join(u.name for u in node.users)}")
+    specs = ep.graph_signature.input_specs
+    (spec,) = [s for s in specs if getattr(s.arg, "name", None) == node.name]
+    if spec.kind not in STATE_KINDS:
+        raise ValueError(f"{node.name} is a {spec.kind.name.lower()}, not a constant")
+    specs.remove(spec)
+    ep.state_dict.pop(spec.target, None)
+    ep.constants.pop(spec.target, None)
+    ep.graph.erase_node(node)
 
 
 def add_lifted_constant(

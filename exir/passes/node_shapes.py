@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from etfold.exir.passes.graph_walk import sizes_known_equal
+from etfold.exir.passes.graph_walk import call_with_value, sizes_known_equal
 
 
 def node_value(node: object) -> object:
@@ -49,6 +49,22 @@ def argument_values(arguments: object) -> object:
     return torch.fx.node.map_aggregate(
         arguments, lambda a: node_value(a) if isinstance(a, Node) else a
     )
+
+
+def call_on_values(
+    graph: torch.fx.Graph,
+    target,
+    args: tuple,
+    kwargs: dict | None = None,
+    meta: dict | None = None,
+) -> Node:
+    """`target(*args, **kwargs)` at the graph's insertion point, its value the op run on
+    its arguments' fake values (`argument_values`), with a copy of `meta` as
+    `call_with_value` gives it. For ops that keep a symbolic size symbolic (views,
+    elementwise ops, reductions): a copy op's meta function may fix one, which the
+    rewrite driver refuses (`SizeFixedByRewrite`)."""
+    value = target(*argument_values(args), **(kwargs or {}))
+    return call_with_value(graph, target, args, value, meta, kwargs)
 
 
 def static_shape(node: object) -> tuple[int, ...] | None:

@@ -37,6 +37,11 @@ def dtype_taken(value: torch.Tensor, dtypes: Collection[torch.dtype], work: str)
     return Declined(f"{value.dtype} {work}: XNNPACK takes {names} for it here")
 
 
+def exact_in(number: float, dtype: torch.dtype) -> bool:
+    """`number` is a value of `dtype`: converting it to `dtype` does not round it."""
+    return float(torch.tensor(number, dtype=torch.float64).to(dtype)) == number
+
+
 def rank_held(rank: int, what: str) -> Declined | None:
     """None when XNNPACK holds a tensor of `rank` dims; else why (`what`: "input", …)."""
     if rank > XNN_MAX_TENSOR_DIMS:

@@ -128,7 +128,7 @@ def viewable(source: torch.fx.Node) -> Declined | None:
     return None
 
 
-def _one_inferred(value: torch.Tensor, shape, what: str) -> tuple[int, ...] | Declined:
+def one_inferred(value: torch.Tensor, shape, what: str) -> tuple[int, ...] | Declined:
     """`shape` with its one symbolic size written -1 (XNNPACK's reshape infers it at
     runtime); a decline naming `value`'s symbolic dims when there are more."""
     symbolic = [i for i, size in enumerate(shape) if type(size) is not int]
@@ -147,10 +147,10 @@ def pooling_views(
     with at most one size left for the runtime to infer, or why they cannot be written."""
     shape = tuple(value.shape)
     rows = math.prod(shape[:-1]) if len(shape) > 1 else 1
-    flat = _one_inferred(value, (1, rows, 1, shape[-1]), "the [1, N, 1, C] view")
+    flat = one_inferred(value, (1, rows, 1, shape[-1]), "the [1, N, 1, C] view")
     if isinstance(flat, Declined):
         return flat
-    back = _one_inferred(value, (*shape[:-1], 1) if keepdim else shape[:-1], "the view back")
+    back = one_inferred(value, (*shape[:-1], 1) if keepdim else shape[:-1], "the view back")
     return back if isinstance(back, Declined) else (flat, back)
 
 

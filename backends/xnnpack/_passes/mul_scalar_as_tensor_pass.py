@@ -11,8 +11,9 @@ Result:  y = mul.Tensor(x, s)
 
 `mul.Tensor` with a number operand is what `x * s` exports to. ExecuTorch's
 edge passes lift `s` into a 0-d constant (`torch.tensor(s)`, float32) and, for
-a half-precision `x`, convert that constant to `x`'s dtype; XNNPACK's multiply
-takes the constant as a static operand. Upstream delegates only `mul.Tensor`.
+a half-precision `x`, convert that constant to `x`'s dtype (computed once when
+lowering by `number_operands_as_constants_pass`); XNNPACK's multiply takes the
+constant as a static operand. Upstream delegates only `mul.Tensor`.
 
 Exactness. Eager multiplies by `float32(s)` and rounds the product once to x's
 dtype (a number operand keeps float32 precision even for a half `x`).
@@ -43,15 +44,15 @@ import torch
 from torch.export import ExportedProgram
 
 from etfold.backends.xnnpack._passes.decomposed_first import decomposed_for
-from etfold.backends.xnnpack._passes.delegated_floats import delegated_floats, dtype_taken
+from etfold.backends.xnnpack._passes.delegated_floats import (
+    delegated_floats,
+    dtype_taken,
+    exact_in,
+)
 from etfold.decisions import Declined, record_applied
-from etfold.exir.passes.graph_walk import add_lifted_constant
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import node_value
-from etfold.exir.program.working_copy import copy_for_rewrite
 
 FOLD = "xnnpack.mul_scalar_as_tensor"
-NUMBER_FOLD = "xnnpack.half_number_operand_as_constant"
 
 aten = torch.ops.aten
 # measured on torch 2.13: their decomposition scales q and k with mul.Scalar
@@ -78,7 +79,7 @@ def rounds_as_eager(scalar: float, dtype: torch.dtype) -> Declined | None:
     """The constant XNNPACK multiplies by is the number eager multiplies by (docstring)."""
     if dtype == torch.float32:
         return None
-    if float(torch.tensor(scalar, dtype=torch.float64).to(dtype)) != scalar:
+    if not exact_in(scalar, dtype):
         return Declined(
             f"scalar {scalar!r} is not exact in {dtype}: rounded first, the product could "
             "differ from eager's"
@@ -92,7 +93,7 @@ def match_mul_scalar(
     """The rewrite of `node`, a reason it stays, or None when it is not ours to judge."""
     if node.op != "call_function" or node.target != aten.mul.Scalar:
         return None
-    value = node_value(node.args[0])
+    value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     if not isinstance(value, torch.Tensor):
         return Declined("no tensor metadata on the multiplied input")
     scalar = node.args[1]
@@ -106,62 +107,6 @@ def match_mul_scalar(
 def rewrite_as_mul_tensor(match: MulScalarAsTensor) -> None:
     match.node.target = aten.mul.Tensor
     record_applied(FOLD, match.node.name, f"times {match.node.args[1]!r} as a constant operand")
-
-
-# binary ops whose number operand ExecuTorch's edge passes lift as a float32 (int64 for an
-# int) constant and, for a half tensor, convert to its dtype on every call
-NUMBER_OPERAND_OPS = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor})
-_HALF = frozenset({torch.float16, torch.bfloat16})
-
-
-@dataclass(frozen=True)
-class HalfNumberOperand:
-    """`op(x, s)`: x half, s a number; s becomes the half constant the runtime converts
-    it to today (`torch.tensor(s).to(x.dtype)`), computed once when lowering."""
-
-    node: torch.fx.Node
-    constant: torch.Tensor
-
-
-def match_half_number_operand(node: torch.fx.Node) -> HalfNumberOperand | None:
-    """A binary op of a half tensor and a plain number; None for anything else (the
-    op is left exactly as it is: nothing is declined)."""
-    if node.op != "call_function" or node.target not in NUMBER_OPERAND_OPS:
-        return None
-    if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
-        return None
-    value = node_value(node.args[0])
-    number = node.args[1]
-    if not isinstance(value, torch.Tensor) or value.dtype not in _HALF:
-        return None
-    if plain_number(number) is not None:
-        return None
-    return HalfNumberOperand(node, torch.tensor(number).to(value.dtype))
-
-
-def half_number_operands_as_constants(program: ExportedProgram) -> ExportedProgram:
-    """Each number operand of a half binary op as a half constant of the program.
-
-        op(x: half, s)  ->  op(x, c)      c = half(tensor(s)), a lifted constant
-
-    Left to itself, ExecuTorch's edge lowering lifts s as a float32 (or int64) constant
-    and converts it to x's dtype on every call, outside the delegate (a constant's
-    convert is never delegated): the value c is the one that convert computes, so
-    the program computes the same numbers without the runtime convert."""
-    if not any(map(match_half_number_operand, program.graph.nodes)):
-        return program
-    program = copy_for_rewrite(program)
-    for node in list(program.graph.nodes):
-        found = match_half_number_operand(node)
-        if found is None:
-            continue
-        constant = add_lifted_constant(program, f"_etfold_{node.name}_number", found.constant)
-        node.args = (node.args[0], constant)
-        record_applied(
-            NUMBER_FOLD, node.name, f"{node_value(node.args[0]).dtype} number operand as a constant"
-        )
-    program.graph_module.recompile()
-    return program
 
 
 def _makes_mul_scalar(node: torch.fx.Node) -> bool:
@@ -178,5 +123,4 @@ def mul_scalars_as_tensors(
     match = functools.partial(match_mul_scalar, dtypes=delegated_floats(bf16))
     candidate = decomposed_for(program, decomposition_table, _makes_mul_scalar)
     rewritten = rewrite_matches_on_a_copy(candidate, match, rewrite_as_mul_tensor, FOLD)
-    rewritten = program if rewritten is candidate else rewritten
-    return half_number_operands_as_constants(rewritten)
+    return program if rewritten is candidate else rewritten

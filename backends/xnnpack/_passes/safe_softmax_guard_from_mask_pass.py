@@ -60,9 +60,9 @@ from etfold.backends.xnnpack._passes.safe_softmax_as_softmax_pass import (
     softmax_guard,
 )
 from etfold.decisions import Declined, first_declined, record_applied
-from etfold.exir.passes.graph_walk import add_lifted_constant, call_with_value, state_facts
+from etfold.exir.passes.graph_walk import add_lifted_constant, state_facts
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
-from etfold.exir.passes.node_shapes import argument_values, node_value
+from etfold.exir.passes.node_shapes import call_on_values, node_value
 
 FOLD = "xnnpack.safe_softmax_guard_from_mask"
 
@@ -133,10 +133,7 @@ def match_guard_from_mask(
 
 
 def _call(graph, target, args: tuple, kwargs: dict | None = None) -> Node:
-    """`target` on `args`, its value the op's own on their fake values (elementwise ops
-    and a reduction: nothing here copies a symbolic size into a static one)."""
-    value = target(*argument_values(args), **(kwargs or {}))
-    return call_with_value(graph, target, args, value, kwargs=kwargs)
+    return call_on_values(graph, target, args, kwargs)
 
 
 @dataclass(frozen=True)

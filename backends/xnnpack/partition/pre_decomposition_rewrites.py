@@ -66,6 +66,9 @@ from etfold.backends.xnnpack._passes.expand_as_delegated_ops_pass import (
     COPY_TARGETS,
     expands_as_delegated_ops,
 )
+from etfold.backends.xnnpack._passes.gemm_with_constant_operand_as_linear_pass import (
+    gemms_with_constant_operands_as_linear,
+)
 from etfold.backends.xnnpack._passes.index_by_aranges_as_view_pass import (
     index_by_aranges_as_view,
 )
@@ -80,6 +83,15 @@ from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
     means_over_last_dim_as_pooling,
 )
 from etfold.backends.xnnpack._passes.mul_scalar_as_tensor_pass import mul_scalars_as_tensors
+from etfold.backends.xnnpack._passes.number_operands_as_constants_pass import (
+    number_operands_as_constants,
+)
+from etfold.backends.xnnpack._passes.pow_of_small_integer_as_multiplies_pass import (
+    pows_of_small_integers_as_multiplies,
+)
+from etfold.backends.xnnpack._passes.reduction_over_adjacent_dims_as_pooling_pass import (
+    reductions_over_adjacent_dims_as_pooling,
+)
 from etfold.backends.xnnpack._passes.safe_softmax_as_softmax_pass import (
     safe_softmaxes_as_softmax,
 )
@@ -97,6 +109,9 @@ from etfold.backends.xnnpack._passes.size_only_values_as_table_slices_pass impor
     size_only_values_as_table_slices,
 )
 from etfold.backends.xnnpack._passes.split_as_slices_pass import splits_as_slices
+from etfold.backends.xnnpack._passes.where_as_leaky_relu_or_clamp_pass import (
+    wheres_as_leaky_relu_or_clamp,
+)
 from etfold.backends.xnnpack._passes.widen_half_precision_ops_pass import widen_half_precision_ops
 from etfold.backends.xnnpack.partition.bf16_delegation import bf16_applies, bf16_setting
 from etfold.backends.xnnpack.partition.weight_fold import fold_gemm_weights
@@ -191,6 +206,19 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
     PreDecompositionRewrite(
         "read_last_axis_normalizations_contiguous",
         lambda program, _: read_last_axis_normalizations_contiguous(program),
+    ),
+    PreDecompositionRewrite(
+        "gemms_with_constant_operands_as_linear",
+        lambda program, inputs: gemms_with_constant_operands_as_linear(program, bf16=inputs.bf16),
+        configs=frozenset({"linear.default"}),
+        graph_mode_only=True,
+        bf16_ops=("linear.default",),
+        # before the size-only tables, which would table a constant broadcast to a dynamic batch
+        after=(
+            _MARKS,
+            ("inline_autocast_regions", "sees the GEMMs autocast regions hold"),
+            ("widen_half_precision_ops", "a widened bf16 matmul reads its weight converted"),
+        ),
     ),
     PreDecompositionRewrite(
         "embeddings_of_one_index_as_rows",
@@ -330,12 +358,26 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         ),
     ),
     PreDecompositionRewrite(
+        "reductions_over_adjacent_dims_as_pooling",
+        lambda program, inputs: reductions_over_adjacent_dims_as_pooling(program, bf16=inputs.bf16),
+        configs=frozenset({"mean.dim", "view_copy.default", "permute_copy.default"}),
+        graph_mode_only=True,
+        bf16_ops=("mean.dim", "permute_copy.default", "mul.Tensor"),
+        after=(("widen_half_precision_ops", "sees the bf16 means it widens to float32"),),
+    ),
+    PreDecompositionRewrite(
         "means_over_last_dim_as_pooling",
         lambda program, inputs: means_over_last_dim_as_pooling(program, bf16=inputs.bf16),
         configs=frozenset({"mean.dim", "view_copy.default"}),
         graph_mode_only=True,
         bf16_ops=("mean.dim",),
-        after=(("layer_norms_as_delegated_ops", "writes the layer norms' means as pooling"),),
+        after=(
+            ("layer_norms_as_delegated_ops", "writes the layer norms' means as pooling"),
+            (
+                "reductions_over_adjacent_dims_as_pooling",
+                "writes the means over a last block of dims as pooling",
+            ),
+        ),
     ),
     PreDecompositionRewrite(
         "splits_as_slices",
@@ -358,6 +400,18 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         graph_mode_only=True,
     ),
     PreDecompositionRewrite(
+        "wheres_as_leaky_relu_or_clamp",
+        lambda program, inputs: wheres_as_leaky_relu_or_clamp(program, bf16=inputs.bf16),
+        configs=frozenset({"leaky_relu.default", "clamp.default"}),
+        bf16_ops=("leaky_relu.default", "clamp.default"),
+    ),
+    PreDecompositionRewrite(
+        "pows_of_small_integers_as_multiplies",
+        lambda program, inputs: pows_of_small_integers_as_multiplies(program, bf16=inputs.bf16),
+        configs=frozenset({"mul.Tensor"}),
+        bf16_ops=("mul.Tensor",),
+    ),
+    PreDecompositionRewrite(
         "mul_scalars_as_tensors",
         lambda program, inputs: mul_scalars_as_tensors(program, inputs.table, bf16=inputs.bf16),
         configs=frozenset({"mul.Tensor"}),
@@ -369,6 +423,12 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         lambda program, inputs: scalar_tensors_as_constants(program, inputs.table),
         reads_table=True,
         after=(("fold_gemm_weights", "folds a constant mask's whole conversion, scalars and all"),),
+    ),
+    PreDecompositionRewrite(
+        "number_operands_as_constants",
+        lambda program, inputs: number_operands_as_constants(program, inputs.table),
+        reads_table=True,
+        after=(("mul_scalars_as_tensors", "its mul.Tensor reads a number this lifts"),),
     ),
 )
 

@@ -167,6 +167,33 @@ def is_fill_factory(node: torch.fx.Node) -> bool:
     return name == "scalar_tensor" and not node.all_input_nodes
 
 
+# fill factories whose fill is implied by the op, and where the others take it
+_IMPLIED_FILLS = {
+    "zeros": 0,
+    "zeros_like": 0,
+    "new_zeros": 0,
+    "ones": 1,
+    "ones_like": 1,
+    "new_ones": 1,
+}
+_FILL_AT = {"full": 1, "full_like": 1, "new_full": 2, "scalar_tensor": 0, "fill": 1}
+
+
+def filled_with(node: torch.fx.Node) -> int | float | None:
+    """The one number a fill factory fills every element with (`full_like(x, 0.5)`: 0.5,
+    `zeros_like(x)`: 0); None for any other node, or a fill that is not a plain number."""
+    if node.op != "call_function" or not is_fill_factory(node):
+        return None
+    name = _packet_name(node.target)
+    if name in _IMPLIED_FILLS:
+        return _IMPLIED_FILLS[name]
+    at = _FILL_AT.get(name)
+    fill = node.args[at] if at is not None and len(node.args) > at else node.kwargs.get("value")
+    if isinstance(fill, bool) or not isinstance(fill, (int, float)):
+        return None
+    return fill
+
+
 def is_quant_primitive(node: torch.fx.Node) -> bool:
     return op_namespace(node.target) in QUANT_NAMESPACES
 

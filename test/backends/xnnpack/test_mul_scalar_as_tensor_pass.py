@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.backends.xnnpack._passes.mul_scalar_as_tensor_pass import (
     FOLD,
-    NUMBER_FOLD,
     mul_scalars_as_tensors,
 )
 from etfold.decisions import collect_decisions
@@ -104,56 +103,6 @@ def test_dynamic_attention_on_the_runtime_matches_eager_at_the_bounds(tokens):
     gen = torch.Generator().manual_seed(tokens)
     inputs = tuple(torch.randn(1, 2, tokens, 8, generator=gen) for _ in range(3))
     assert_close(program.run(*inputs), eager_outputs(Attention(), inputs), atol=1e-5, rtol=1e-5)
-
-
-class TanhGelu(torch.nn.Module):
-    """GPT-2's gelu_new written out: four number operands of half binary ops; with
-    `rounded`, each number is the 0-d tensor of x's dtype the lowering computes with."""
-
-    def __init__(self, rounded: bool = False):
-        super().__init__()
-        self.rounded = rounded
-
-    def forward(self, x):
-        def n(number):
-            return torch.tensor(number).to(x.dtype) if self.rounded else number
-
-        inner = n(0.7978845608) * (x + n(0.044715) * (x * x * x))
-        return n(0.5) * x * (n(1) + torch.tanh(inner))
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_number_operands_become_half_constants_of_the_program(dtype):
-    program = torch.export.export(TanhGelu(), (torch.randn(3, 8).to(dtype),))
-    with collect_decisions() as decisions:
-        rewritten = mul_scalars_as_tensors(program, None, bf16=True)
-    assert rewritten is not program and not program.constants
-    numbers = [d for d in decisions if d.fold == NUMBER_FOLD]
-    assert len(numbers) == 4 and all(d.applied for d in numbers)
-    assert sorted(float(c) for c in rewritten.constants.values()) == sorted(
-        float(torch.tensor(n).to(dtype)) for n in (0.5, 1, 0.7978845608, 0.044715)
-    )
-    assert all(c.dtype is dtype and c.dim() == 0 for c in rewritten.constants.values())
-    x = torch.randn(3, 8).to(dtype)
-    assert torch.equal(rewritten.module()(x), TanhGelu(rounded=True)(x))
-
-
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_no_constant_convert_runs_at_runtime(dynamic):
-    """Left alone, each number would be lifted as float32 and converted on every call."""
-    rows = torch.export.Dim("rows", min=2, max=16)
-    module = TanhGelu()
-    program, _ = lower_dynamic(
-        module,
-        (torch.randn(4, 8).half(),),
-        ({0: rows},) if dynamic else None,
-        [XnnpackPartitioner()],
-        lower=to_edge_transform_and_lower,
-    )
-    assert not program.constant_work_outside()
-    for n in (2, 16) if dynamic else (4,):
-        x = torch.randn(n, 8).half()
-        assert_close(program.run(x), [module(x.float()).half()], atol=4e-3, rtol=4e-3)
 
 
 def _declined_by_pass(module, inputs, *, bf16=False) -> list[str]:

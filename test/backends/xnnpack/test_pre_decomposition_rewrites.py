@@ -31,6 +31,7 @@ DECLARED = [
     "inline_autocast_regions",
     "widen_half_precision_ops",
     "read_last_axis_normalizations_contiguous",
+    "gemms_with_constant_operands_as_linear",
     "embeddings_of_one_index_as_rows",
     "embeddings_of_positions_as_table_slices",
     "causal_attentions_as_masks",
@@ -47,14 +48,19 @@ DECLARED = [
     "last_dim_unbinds_and_stacks_transposed",
     "shape_ops_as_views",
     "layer_norms_as_delegated_ops",
+    "reductions_over_adjacent_dims_as_pooling",
     "means_over_last_dim_as_pooling",
     "splits_as_slices",
     "elementwise_ops_before_slices",
     "conv_tail_slices_as_padding",
+    "wheres_as_leaky_relu_or_clamp",
+    "pows_of_small_integers_as_multiplies",
     "mul_scalars_as_tensors",
     "scalar_tensors_as_constants",
+    "number_operands_as_constants",
 ]
 GRAPH_MODE_ONLY = {
+    "gemms_with_constant_operands_as_linear",
     "safe_softmaxes_as_softmax",
     "safe_softmax_guards_from_masks",
     "attention_scores_in_bmm_shape",
@@ -62,6 +68,7 @@ GRAPH_MODE_ONLY = {
     "last_dim_unbinds_and_stacks_transposed",
     "shape_ops_as_views",
     "layer_norms_as_delegated_ops",
+    "reductions_over_adjacent_dims_as_pooling",
     "means_over_last_dim_as_pooling",
     "conv_tail_slices_as_padding",
 }
@@ -132,7 +139,14 @@ def test_the_partitioners_flags_enable_their_rewrites():
                 "attention_scores_in_bmm_shape",
             },
         ),
-        ("mean.dim", {"layer_norms_as_delegated_ops", "means_over_last_dim_as_pooling"}),
+        (
+            "mean.dim",
+            {
+                "layer_norms_as_delegated_ops",
+                "reductions_over_adjacent_dims_as_pooling",
+                "means_over_last_dim_as_pooling",
+            },
+        ),
         (
             "slice_copy.Tensor",
             {
@@ -141,7 +155,10 @@ def test_the_partitioners_flags_enable_their_rewrites():
                 "elementwise_ops_before_slices",
             },
         ),
-        ("permute_copy.default", {"last_dim_unbinds_and_stacks_transposed"}),
+        (
+            "permute_copy.default",
+            {"last_dim_unbinds_and_stacks_transposed", "reductions_over_adjacent_dims_as_pooling"},
+        ),
     ],
 )
 def test_a_rewrite_whose_configs_are_missing_is_skipped(missing, skipped):
@@ -178,8 +195,12 @@ def test_each_rewrite_is_handed_the_table_it_declares_and_its_bf16_setting(dtype
         assert same and has_table == rewrite.reads_table
         assert not bf16 or (dtype is torch.bfloat16 and rewrite.bf16_ops), rewrite.name
     in_bf16 = {name for name, *_, bf16 in seen if bf16}
-    # mul, cat, permute, view and slice run in bf16 on XNNPACK 1.5.1; mean and sub do not
+    # mul, cat, permute, view, slice, linear, clamp and leaky ReLU run in bf16 on XNNPACK
+    # 1.5.1; mean and sub do not
     expected = {
+        "gemms_with_constant_operands_as_linear",
+        "wheres_as_leaky_relu_or_clamp",
+        "pows_of_small_integers_as_multiplies",
         "expands_as_delegated_ops",
         "last_dim_unbinds_and_stacks_transposed",
         "shape_ops_as_views",

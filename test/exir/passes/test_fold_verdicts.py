@@ -21,6 +21,7 @@ from etfold.exir.passes.constant_prop.verdicts import (
     UNSET,
     SourcePolicy,
     agreed_custom,
+    filled_with,
     op_verdict,
     source_custom,
     source_verdict,
@@ -132,3 +133,29 @@ def test_agreed_custom_an_untagged_source_takes_the_program_side():
     assert "`tagged` and `plain` disagree on their `custom` meta" in split.reason
     # a value computed from no source takes no side
     assert agreed_custom([tagged, plain], {tagged: {"tag": "x"}, plain: UNSET}.get) == {"tag": "x"}
+
+
+class Fills(torch.nn.Module):
+    def forward(self, x):
+        return (
+            torch.full_like(x, 0.5),
+            torch.zeros_like(x),
+            torch.ones_like(x),
+            x.new_full((2,), -3),
+            x.new_ones((2,)),
+            torch.full((2,), 7.0),
+            torch.where(x > 0, x, 0.25),
+            x + 1,
+        )
+
+
+def test_filled_with_names_the_number_of_each_fill_and_no_other_node():
+    program = torch.export.export(Fills(), (torch.randn(3),)).run_decompositions()
+    fills = {
+        node.name: filled_with(node)
+        for node in program.graph.nodes
+        if node.op == "call_function" and filled_with(node) is not None
+    }
+    assert sorted(fills.values()) == sorted([0.5, 0, 1, -3, 1, 7.0, 0.25])
+    others = [n for n in program.graph.nodes if n.op != "call_function" or n.name not in fills]
+    assert all(filled_with(node) is None for node in others)

@@ -9,7 +9,9 @@ still read, a placeholder, or an impure op stays; export's metadata checks of a
 dropped value go with it. `call_with_value`: a new node with the value it is given.
 `STATE_KINDS`: the placeholders whose value the program holds. `fresh_constant_name`:
 the one naming rule of new constants (stem, then the value's digest, then the reader),
-which `add_lifted_constant` follows; `constant_holding` finds an equal constant."""
+which `add_lifted_constant` follows; `constant_holding` finds an equal constant.
+`relayout_root`: the constant behind a chain of views. `remove_unread_placeholder`: a
+constant nothing reads leaves the program whole."""
 
 from __future__ import annotations
 
@@ -26,10 +28,14 @@ from etfold.exir.passes.graph_walk import (
     constant_names,
     drop_unread,
     fresh_constant_name,
+    is_relayout,
+    relayout_root,
+    remove_unread_placeholder,
     state_placeholders,
     tensor_digest,
     value_ancestors,
 )
+from etfold.exir.program.working_copy import copy_for_rewrite
 
 
 def _graph():
@@ -169,3 +175,57 @@ def test_constant_holding_finds_only_the_very_value():
     scale = state_placeholders(program)["scale"]
     assert constant_holding(program, "scale", torch.ones(3)) is scale
     assert constant_holding(program, "absent", torch.ones(3)) is None
+
+
+class Relaid(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 6))
+
+    def forward(self, x):
+        relaid = torch.transpose(self.weight.to(x.dtype), 0, 1).reshape(2, 3, 4).unsqueeze(0)
+        computed = (self.weight * 2).t()
+        return relaid, computed, self.weight.to(torch.float16).t()
+
+
+def _by_name(program):
+    return {node.name: node for node in program.graph.nodes}
+
+
+def test_relayout_root_walks_back_through_views_and_same_dtype_converts_only():
+    program = torch.export.export(Relaid(), (torch.randn(2),))
+    relaid, computed, converted = program.graph.output_node().args[0]
+    root, chain = relayout_root(relaid)
+    assert root.name == "p_weight"
+    assert [node.target for node in chain] == [
+        torch.ops.aten.to.dtype,
+        torch.ops.aten.transpose.int,
+        torch.ops.aten.reshape.default,
+        torch.ops.aten.unsqueeze.default,
+    ]
+    assert relayout_root(computed)[0].target is torch.ops.aten.mul.Tensor
+    assert relayout_root(converted)[0].target is torch.ops.aten.to.dtype  # float16: computes
+    assert relayout_root(root) == (root, ())
+    assert not is_relayout(root)
+
+
+def test_remove_unread_placeholder_erases_the_spec_value_and_node_and_refuses_a_read_one():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.randn(3))
+            self.register_buffer("b", torch.randn(3))
+
+        def forward(self, x):
+            return x + self.a + self.b
+
+    program = copy_for_rewrite(torch.export.export(Two(), (torch.randn(3),)))
+    nodes = _by_name(program)
+    with pytest.raises(ValueError, match="still read"):
+        remove_unread_placeholder(program, nodes["p_a"])
+    add = next(iter(nodes["p_a"].users))
+    add.replace_all_uses_with(add.args[0])
+    program.graph.erase_node(add)
+    remove_unread_placeholder(program, nodes["p_a"])
+    assert "p_a" not in _by_name(program) and "a" not in program.state_dict
+    assert [s.arg.name for s in program.graph_signature.input_specs] == ["b_b", "x"]
