@@ -68,10 +68,13 @@ def lower_with_decisions(
     dynamic_shapes=None,
 ) -> Lowered:
     """Export `module` (with `dynamic_shapes` when given), lower it through etfold's
-    entry point, and keep the decisions the lowering recorded."""
+    entry point, planned for the declared bounds, and keep the decisions the lowering
+    recorded."""
     program = torch.export.export(in_eval_mode(module), inputs, dynamic_shapes=dynamic_shapes)
     with collect_decisions() as decisions:
-        lowered = lower_xnnpack(program, partitioners(), lower=to_edge_transform_and_lower)
+        lowered = lower_xnnpack(
+            program, partitioners(), lower=to_edge_transform_and_lower, keep_declared_bounds=True
+        )
     return Lowered(lowered, tuple(decisions))
 
 

@@ -1,0 +1,211 @@
+# Copyright (c) etfold contributors.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""A lowered program keeps the size bounds its export declared, or the lowering refuses.
+
+ExecuTorch plans each dynamic tensor's memory at its size's upper bound, read from
+the shape environment's ranges (`eval_upper_bound`), not from the program's range
+constraints. A guard taken after export narrows those ranges, in the environment
+the user's program shares: the program then refuses sizes its bounds allow
+("Attempted to resize a bounded tensor with a maximum capacity of ...").
+
+One such guard is known, and has no bearing on the program: torch's fake
+convolution asks which CPU kernel it would run (`_select_conv_backend`, which
+prefers the native kernel up to 20480 input elements) only to pick its fake output's
+memory format. Every retrace of a convolution over a dynamic size asks it again, at
+the traced size: XNNPACK's preprocess (it unsqueezes a 1-D convolution) and
+`to_executorch` (it traces each delegate's original program). Audio exported at
+16,000 samples and declared up to 32,000 is then planned for 20,480.
+
+Inside `declared_bounds_kept()` that choice is made with guards suppressed: the
+same answer at the traced size, so the same fake values, and no range narrowed.
+Lower and call `to_executorch` inside it, and the program runs at every size its
+bounds allow. etfold's entry point enters it around the lowering (`bounds_kept`),
+and refuses (`DeclaredBoundNarrowed`, naming the input, its dim, the declared bound
+and the guard) when the lowering narrowed a declared upper bound, or when, outside
+the scope, `to_executorch` would: each kernel choice the lowering made over a
+declared size is made again with its guard, in a shape environment of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import sympy
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from etfold.exir.passes.graph_walk import input_kinds
+from etfold.exir.program.kernel_choice_replay import narrowed_by_kernel_choices
+from etfold.exir.program.reentrant_patch import PatchUnavailable, ReentrantPatch, Replacement
+
+
+class DeclaredBoundNarrowed(ValueError):
+    """The lowered program would refuse sizes its export's bounds allow."""
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """One call of torch's convolution kernel choice on fake tensors of symbolic size."""
+
+    input: torch.Tensor
+    weight: torch.Tensor
+    options: tuple[tuple[str, object], ...]
+
+
+_choices: contextvars.ContextVar[list[KernelChoice] | None] = contextvars.ContextVar(
+    "etfold_conv_kernel_choices", default=None
+)
+
+
+def _shape_env_of(*tensors: object):
+    for tensor in tensors:
+        for size in getattr(tensor, "shape", ()):
+            if isinstance(size, torch.SymInt):
+                return size.node.shape_env
+    return None
+
+
+def _choosing_without_guards(original):
+    def choose(*args, **options):
+        env = _shape_env_of(*args[:2])
+        if env is None:
+            return original(*args, **options)
+        recorded = _choices.get()
+        if recorded is not None and len(args) == 2:
+            recorded.append(KernelChoice(*args, tuple(options.items())))
+        with env.suppress_guards():
+            return original(*args, **options)
+
+    return choose
+
+
+PATCH = ReentrantPatch(
+    "conv_kernel_choice_keeps_bounds",
+    lambda: [Replacement(torch._C, "_select_conv_backend", _choosing_without_guards)],
+)
+
+
+def _patch_scope() -> contextlib.AbstractContextManager:
+    """`PATCH`'s scope; nothing where torch lacks what it replaces (bounds are then still
+    checked)."""
+    try:
+        PATCH.check()
+    except PatchUnavailable:
+        return contextlib.nullcontext()
+    return PATCH.scope()
+
+
+@contextlib.contextmanager
+def declared_bounds_kept() -> Iterator[None]:
+    """Lower and plan (`to_executorch`) inside: torch's fake convolution chooses its
+    kernel without narrowing a size's range, so memory is planned for the declared bounds."""
+    with _patch_scope():
+        yield
+
+
+@dataclass(frozen=True)
+class DeclaredSize:
+    """A symbol a program's user input takes as a dim, and the range the export declared."""
+
+    symbol: sympy.Symbol
+    env: object  # the shape environment whose ranges memory planning reads
+    declared: object  # ValueRanges
+    named: str  # "dim d of `x`"
+
+
+def declared_sizes(program: ExportedProgram) -> list[DeclaredSize]:
+    """Each symbol a user input of `program` has as a dim, with its declared range."""
+    kinds, found, seen = input_kinds(program), [], set()
+    for node in program.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if kinds.get(node.name) != InputKind.USER_INPUT or not isinstance(value, torch.Tensor):
+            continue
+        for dim, size in enumerate(value.shape):
+            if not isinstance(size, torch.SymInt) or not isinstance(size.node.expr, sympy.Symbol):
+                continue
+            symbol = size.node.expr
+            if symbol in seen or symbol not in program.range_constraints:
+                continue
+            seen.add(symbol)
+            declared = program.range_constraints[symbol]
+            named = f"dim {dim} of `{node.name}`"
+            found.append(DeclaredSize(symbol, size.node.shape_env, declared, named))
+    return found
+
+
+def _narrowing_guard(guards, symbol: sympy.Symbol) -> str:
+    for guard in guards:
+        if symbol in guard.expr.free_symbols:
+            return f" (the guard `{guard.expr}`)"
+    return ""
+
+
+def _put_back(size: DeclaredSize, previous) -> None:
+    if previous is None:
+        size.env.var_to_range.pop(size.symbol, None)
+    else:
+        size.env.var_to_range[size.symbol] = previous
+    # the environment's caches (what it knows statically) are keyed by this counter, and
+    # may hold answers the narrowed range gave
+    size.env._version_counter += 1
+
+
+def _narrowed_while_lowering(sizes: list[DeclaredSize], before: dict, guards: dict) -> list[str]:
+    """Why each declared upper bound the lowering narrowed is refused; every range put back."""
+    refused = []
+    for size in sizes:
+        now, previous = size.env.var_to_range.get(size.symbol), before[size.symbol]
+        if now == previous:
+            continue
+        if now is not None and now.upper < size.declared.upper:
+            taken = size.env.guards[guards[id(size.env)] :]
+            refused.append(
+                f"{size.named} is declared up to {size.declared.upper}, but the lowering "
+                f"narrowed {size.symbol} to {now.upper}{_narrowing_guard(taken, size.symbol)}: "
+                "the program would refuse the sizes above it"
+            )
+        _put_back(size, previous)
+    return refused
+
+
+@contextlib.contextmanager
+def bounds_kept(programs: Mapping[str, ExportedProgram]) -> Iterator[None]:
+    """Run a lowering of `programs` inside `declared_bounds_kept()`; on leaving, every
+    declared size's range is as before. `DeclaredBoundNarrowed` is raised when a declared
+    upper bound is narrowed before the lowering, by it, or (called outside
+    `declared_bounds_kept()`) by the `to_executorch` to come."""
+    sizes = [size for program in programs.values() for size in declared_sizes(program)]
+    before = {size.symbol: size.env.var_to_range.get(size.symbol) for size in sizes}
+    for size in sizes:
+        if before[size.symbol] is not None and before[size.symbol].upper < size.declared.upper:
+            raise DeclaredBoundNarrowed(
+                f"{size.named} is declared up to {size.declared.upper}, but its shape "
+                f"environment already bounds {size.symbol} by {before[size.symbol].upper} (a "
+                "guard an earlier lowering or `to_executorch` of this export took), which "
+                "ExecuTorch would plan for: lower a fresh export"
+            )
+    guards = {id(size.env): len(size.env.guards) for size in sizes}
+    planned_inside = PATCH.active()
+    recorded: list[KernelChoice] = []
+    token = _choices.set(recorded)
+    try:
+        with declared_bounds_kept():
+            yield
+    finally:
+        _choices.reset(token)
+        refused = _narrowed_while_lowering(sizes, before, guards)
+    if refused:
+        raise DeclaredBoundNarrowed(refused[0])
+    if not planned_inside:
+        original = PATCH.original(torch._C, "_select_conv_backend")
+        refused = narrowed_by_kernel_choices(recorded, sizes, original)
+        if refused:
+            raise DeclaredBoundNarrowed(refused)
