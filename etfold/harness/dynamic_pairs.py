@@ -39,9 +39,16 @@ class LengthAxis:
     high: int
     traced: int
     step: int = 1  # the length is a multiple of it (whole frames of audio)
+    # False: `Dim.DYNAMIC` with the bounds, as users declare audio in samples (torch's
+    # export cannot prove a named Dim's guards through the frame count's floordivs)
+    named: bool = True
 
     def dynamic_shapes(self) -> tuple:
-        steps = torch.export.Dim("length", min=self.low // self.step, max=self.high // self.step)
+        low, high = self.low // self.step, self.high // self.step
+        if self.named:
+            steps = torch.export.Dim("length", min=low, max=high)
+        else:
+            steps = torch.export.Dim.DYNAMIC(min=low, max=high)
         length = steps if self.step == 1 else self.step * steps
         return tuple({axis: length for axis in axes} or None for axes in self.axes)
 

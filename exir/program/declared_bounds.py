@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 
 import sympy
 import torch
@@ -43,21 +42,16 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from etfold.exir.passes.graph_walk import input_kinds
-from etfold.exir.program.kernel_choice_replay import narrowed_by_kernel_choices
+from etfold.exir.program.kernel_choice_replay import (
+    DeclaredSize,
+    KernelChoice,
+    narrowed_by_kernel_choices,
+)
 from etfold.exir.program.reentrant_patch import PatchUnavailable, ReentrantPatch, Replacement
 
 
 class DeclaredBoundNarrowed(ValueError):
     """The lowered program would refuse sizes its export's bounds allow."""
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    """One call of torch's convolution kernel choice on fake tensors of symbolic size."""
-
-    input: torch.Tensor
-    weight: torch.Tensor
-    options: tuple[tuple[str, object], ...]
 
 
 _choices: contextvars.ContextVar[list[KernelChoice] | None] = contextvars.ContextVar(
@@ -111,16 +105,6 @@ def declared_bounds_kept() -> Iterator[None]:
         yield
 
 
-@dataclass(frozen=True)
-class DeclaredSize:
-    """A symbol a program's user input takes as a dim, and the range the export declared."""
-
-    symbol: sympy.Symbol
-    env: object  # the shape environment whose ranges memory planning reads
-    declared: object  # ValueRanges
-    named: str  # "dim d of `x`"
-
-
 def declared_sizes(program: ExportedProgram) -> list[DeclaredSize]:
     """Each symbol a user input of `program` has as a dim, with its declared range."""
     kinds, found, seen = input_kinds(program), [], set()
@@ -162,7 +146,7 @@ def _narrowed_while_lowering(sizes: list[DeclaredSize], before: dict, guards: di
     """Why each declared upper bound the lowering narrowed is refused; every range put back."""
     refused = []
     for size in sizes:
-        now, previous = size.env.var_to_range.get(size.symbol), before[size.symbol]
+        now, previous = size.env.var_to_range.get(size.symbol), before[_key(size)]
         if now == previous:
             continue
         if now is not None and now.upper < size.declared.upper:
@@ -176,6 +160,32 @@ def _narrowed_while_lowering(sizes: list[DeclaredSize], before: dict, guards: di
     return refused
 
 
+def _key(size: DeclaredSize) -> tuple[int, sympy.Symbol]:
+    return id(size.env), size.symbol  # two methods' exports may name their symbols alike
+
+
+def _narrowed_before(sizes: list[DeclaredSize], before: dict) -> str:
+    for size in sizes:
+        now = before[_key(size)]
+        if now is not None and now.upper < size.declared.upper:
+            return (
+                f"{size.named} is declared up to {size.declared.upper}, but its shape "
+                f"environment already bounds {size.symbol} by {now.upper} (a guard an earlier "
+                "lowering or `to_executorch` of this export took), which ExecuTorch would "
+                "plan for: lower a fresh export"
+            )
+    return ""
+
+
+def _narrowed_by_to_executorch(recorded: list[KernelChoice], sizes: list[DeclaredSize]) -> str:
+    try:
+        PATCH.check()
+    except PatchUnavailable:
+        return ""  # torch has no such choice to make again
+    original = PATCH.original(torch._C, "_select_conv_backend")
+    return narrowed_by_kernel_choices(recorded, sizes, original)
+
+
 @contextlib.contextmanager
 def bounds_kept(programs: Mapping[str, ExportedProgram]) -> Iterator[None]:
     """Run a lowering of `programs` inside `declared_bounds_kept()`; on leaving, every
@@ -183,15 +193,9 @@ def bounds_kept(programs: Mapping[str, ExportedProgram]) -> Iterator[None]:
     upper bound is narrowed before the lowering, by it, or (called outside
     `declared_bounds_kept()`) by the `to_executorch` to come."""
     sizes = [size for program in programs.values() for size in declared_sizes(program)]
-    before = {size.symbol: size.env.var_to_range.get(size.symbol) for size in sizes}
-    for size in sizes:
-        if before[size.symbol] is not None and before[size.symbol].upper < size.declared.upper:
-            raise DeclaredBoundNarrowed(
-                f"{size.named} is declared up to {size.declared.upper}, but its shape "
-                f"environment already bounds {size.symbol} by {before[size.symbol].upper} (a "
-                "guard an earlier lowering or `to_executorch` of this export took), which "
-                "ExecuTorch would plan for: lower a fresh export"
-            )
+    before = {_key(size): size.env.var_to_range.get(size.symbol) for size in sizes}
+    if refused := _narrowed_before(sizes, before):
+        raise DeclaredBoundNarrowed(refused)
     guards = {id(size.env): len(size.env.guards) for size in sizes}
     planned_inside = PATCH.active()
     recorded: list[KernelChoice] = []
@@ -201,11 +205,8 @@ def bounds_kept(programs: Mapping[str, ExportedProgram]) -> Iterator[None]:
             yield
     finally:
         _choices.reset(token)
-        refused = _narrowed_while_lowering(sizes, before, guards)
-    if refused:
-        raise DeclaredBoundNarrowed(refused[0])
-    if not planned_inside:
-        original = PATCH.original(torch._C, "_select_conv_backend")
-        refused = narrowed_by_kernel_choices(recorded, sizes, original)
-        if refused:
-            raise DeclaredBoundNarrowed(refused)
+        narrowed = _narrowed_while_lowering(sizes, before, guards)
+    if narrowed:
+        raise DeclaredBoundNarrowed(narrowed[0])
+    if not planned_inside and (refused := _narrowed_by_to_executorch(recorded, sizes)):
+        raise DeclaredBoundNarrowed(refused)

@@ -8,7 +8,7 @@
 
 `to_executorch` retraces each delegate's original program, outside any scope of
 etfold's, so torch's fake convolution chooses its CPU kernel again, with guards.
-Each choice the lowering made (`declared_bounds.KernelChoice`) is made once more
+Each choice the lowering made (a `KernelChoice`) is made once more
 here, on fake tensors of the same size expressions, hints and declared ranges in a
 shape environment of its own: the same guards, none of them in the user's
 environment. A range it narrows below its declared upper bound is one
@@ -17,7 +17,7 @@ environment. A range it narrows below its declared upper bound is one
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import sympy
 import torch
@@ -25,8 +25,24 @@ from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-if TYPE_CHECKING:
-    from etfold.exir.program.declared_bounds import DeclaredSize, KernelChoice
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """One call of torch's convolution kernel choice on fake tensors of symbolic size."""
+
+    input: torch.Tensor
+    weight: torch.Tensor
+    options: tuple[tuple[str, object], ...]
+
+
+@dataclass(frozen=True)
+class DeclaredSize:
+    """A symbol a program's user input takes as a dim, and the range the export declared."""
+
+    symbol: sympy.Symbol
+    env: object  # the shape environment whose ranges memory planning reads
+    declared: object  # ValueRanges
+    named: str  # "dim d of `x`"
 
 
 class _Replay:

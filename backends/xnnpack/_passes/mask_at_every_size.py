@@ -121,10 +121,15 @@ def sizes_read_by_tensor_ops(cone: set[Node]) -> list[Node]:
     )
 
 
-def _ranges(symbols: list[sympy.Symbol], reads: list[Node]) -> list[range] | Declined:
+def _ranges(
+    symbols: list[sympy.Symbol], reads: list[Node], declared: Mapping | None
+) -> list[range] | Declined:
+    """Each symbol's sizes: the range its export declared where given, else its shape
+    environment's (which a guard taken since may have narrowed, while the runtime still
+    takes every declared size)."""
     env, ranges = _shape_env(reads), []
     for symbol in symbols:
-        bound = env.bound_sympy(symbol)
+        bound = (declared or {}).get(symbol) or env.bound_sympy(symbol)
         if not bound.upper.is_finite:
             return Declined(f"dynamic shape: {symbol} has no upper bound to check the mask below")
         ranges.append(range(int(bound.lower), int(bound.upper) + 1))
@@ -178,15 +183,18 @@ def _size_classes(
     ]
 
 
-def size_assignments(reads: list[Node], cone: set[Node] | None = None) -> list[dict] | Declined:
+def size_assignments(
+    reads: list[Node], cone: set[Node] | None = None, declared: Mapping | None = None
+) -> list[dict] | Declined:
     """Every value of the symbols `reads` depend on, within the export's bounds; or, given
     the `cone` those reads are in, one assignment of each class whose sizes read by the
     cone's tensor ops (`sizes_read_by_tensor_ops`) are equal, which the cone cannot tell
-    apart: a frame count `L // 20 - 1` of a length `L` in 4000..32000 takes 1401 values."""
+    apart: a frame count `L // 20 - 1` of a length `L` in 4000..32000 takes 1401 values.
+    `declared`: the program's range constraints."""
     symbols = _symbols(reads)
     if not symbols:
         return Declined("the sizes the mask reads have no symbols")
-    ranges = _ranges(symbols, reads)
+    ranges = _ranges(symbols, reads, declared)
     if isinstance(ranges, Declined):
         return ranges
     count = math.prod(len(r) for r in ranges)
@@ -214,13 +222,17 @@ def _elements(mask: Node, assignments: list[dict]) -> int:
 
 
 def values_at_every_size(
-    mask: Node, cone: set[Node], sources: Mapping[Node, torch.Tensor]
+    mask: Node,
+    cone: set[Node],
+    sources: Mapping[Node, torch.Tensor],
+    declared: Mapping | None = None,
 ) -> list[tuple[dict, torch.Tensor]] | Declined:
     """(assignment, `mask`'s value there) for every size assignment; `cone` is the
     mask and all it reads, `sources` the values of its constant placeholders (the
-    other placeholders are read for their sizes only)."""
+    other placeholders are read for their sizes only), `declared` the program's range
+    constraints."""
     reads = size_reads(cone)
-    assignments = size_assignments(reads, cone)
+    assignments = size_assignments(reads, cone, declared)
     if isinstance(assignments, Declined):
         return assignments
     if (elements := _elements(mask, assignments)) > MAX_ELEMENTS:
@@ -293,4 +305,4 @@ def known_at_every_size(
     if not size_reads(cone):
         value = _value_at(node, cone, sources, [], {})
         return value if isinstance(value, Declined) else [({}, value)]
-    return values_at_every_size(node, cone, sources)
+    return values_at_every_size(node, cone, sources, program.range_constraints)
