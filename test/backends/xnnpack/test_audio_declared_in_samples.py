@@ -28,6 +28,7 @@ from etfold.harness.dynamic_pairs import (
     decisions_apart,
     lower_xnnpack_pair,
 )
+from etfold.harness.sequence_models import SHORT_FEATURE_CONVS, tiny_wav2vec2
 from etfold.harness.xnnpack_runner import eager_outputs, max_abs_error
 
 SAMPLES = LengthAxis(((1,),), 4000, 32000, 16000, named=False)
@@ -96,3 +97,16 @@ def test_frames_of_samples_without_a_position_code_read_no_table():
     assert dynamic.delegates() == static.delegates() == 1
     assert set(dynamic.ops_outside() - static.ops_outside()) <= SIZE_BOOKKEEPING
     assert_dynamic_matches_eager(pair)
+
+
+@pytest.mark.long  # 1-2 min; the short profile holds its identities on FramesAttention
+def test_wav2vec2_declared_in_samples_gets_its_static_delegates_and_runs_at_every_bound():
+    pair = lower_xnnpack_pair(
+        lambda: tiny_wav2vec2(feature_convs=SHORT_FEATURE_CONVS), audio, SAMPLES
+    )
+    static, dynamic = pair.static.program, pair.dynamic.program
+    assert dynamic.delegates() == static.delegates() == 2  # group norm runs between them
+    assert set(dynamic.ops_outside() - static.ops_outside()) <= SIZE_BOOKKEEPING
+    assert_dynamic_matches_eager(pair)
+    inputs = audio(18001)
+    assert max_abs_error(dynamic.run(*inputs), eager_outputs(pair.module, inputs)) <= 1e-5
