@@ -165,14 +165,16 @@ def _key(size: DeclaredSize) -> tuple[int, sympy.Symbol]:
 
 
 def _narrowed_before(sizes: list[DeclaredSize], before: dict) -> str:
+    """Why a lowering is refused before it starts: a declared range its shape environment
+    holds narrower (planning reads its upper bound, the size checks its whole range)."""
     for size in sizes:
-        now = before[_key(size)]
-        if now is not None and now.upper < size.declared.upper:
+        now, declared = before[_key(size)], size.declared
+        if now is not None and (now.upper < declared.upper or now.lower > declared.lower):
             return (
-                f"{size.named} is declared up to {size.declared.upper}, but its shape "
-                f"environment already bounds {size.symbol} by {now.upper} (a guard an earlier "
-                "lowering or `to_executorch` of this export took), which ExecuTorch would "
-                "plan for: lower a fresh export"
+                f"{size.named} is declared in {declared.lower}..{declared.upper}, but its "
+                f"shape environment already holds {size.symbol} in {now.lower}..{now.upper} (a "
+                "guard an earlier lowering or `to_executorch` of this export took): lower a "
+                "fresh export"
             )
     return ""
 

@@ -119,10 +119,18 @@ def test_an_export_an_earlier_to_executorch_narrowed_is_refused_before_lowering(
     assert _range_and_guards(program)[0].upper == KERNEL_CHOICE_AT
     with declared_bounds_kept(), pytest.raises(DeclaredBoundNarrowed) as refused:
         to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
-    assert f"dim 1 of `x` is declared up to {HIGH}" in str(refused.value)
-    assert "already bounds s" in str(refused.value) and f"by {KERNEL_CHOICE_AT}" in str(
-        refused.value
-    )
+    said = str(refused.value)
+    assert f"dim 1 of `x` is declared in {LOW}..{HIGH}" in said, said
+    assert "already holds s" in said and f"in {LOW}..{KERNEL_CHOICE_AT}" in said, said
+
+
+def test_an_export_whose_lower_bound_a_guard_raised_is_refused_before_lowering():
+    program = _export()
+    size = _length(program.graph)
+    size.shape_env.constrain_symbol_range(size.expr, 5000, HIGH)  # the size checks' range
+    with declared_bounds_kept(), pytest.raises(DeclaredBoundNarrowed) as refused:
+        to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+    assert f"in 5000..{HIGH}" in str(refused.value), refused.value
 
 
 @pytest.mark.long  # the short profile holds the scope's plan at the bounds
