@@ -166,7 +166,9 @@ def _size_classes(
 ) -> list[dict] | None:
     """One assignment of each class of assignments that give `derived` the same values
     (the first of the class), in assignment order; None when a size's expression is
-    not one torch's tensor reference evaluates."""
+    not one torch's tensor reference evaluates, or not an integer or a boolean."""
+    if any(isinstance(node.meta["val"], torch.SymFloat) for node in derived):
+        return None  # its values would not be told apart as integers
     grid = _grid(ranges)
     env = dict(zip(symbols, grid, strict=True))
     columns = []

@@ -11,6 +11,8 @@ frame counts of a sample count), and what `reads_user_values` says of the nodes 
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from etfold.backends.xnnpack._passes.mask_at_every_size import (
     MAX_SIZES,
@@ -137,3 +139,50 @@ def test_the_elements_of_a_broadcast_are_those_of_its_source():
     (expand,) = (n for n in nodes.values() if n.target is torch.ops.aten.expand.default)
     assert elements_source(expand) is _the_compare(nodes)
     assert elements_source(_the_compare(nodes)) is _the_compare(nodes)
+
+
+class Strided(torch.nn.Module):
+    """Positions of the frames a chain of (kernel, stride) convolutions makes of `x`'s
+    samples, computed from the sample count alone."""
+
+    def __init__(self, convs: tuple[tuple[int, int], ...]):
+        super().__init__()
+        self.convs = convs
+
+    def forward(self, x):
+        frames = x.shape[1]
+        for kernel, stride in self.convs:
+            frames = (frames - kernel) // stride + 1
+        return x.sum() + (torch.arange(frames) * 2).sum()
+
+
+def _chain(length: int, convs) -> int:
+    for kernel, stride in convs:
+        length = (length - kernel) // stride + 1
+    return length
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    convs=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 6)), min_size=1, max_size=3).map(
+        tuple
+    ),
+    low=st.integers(200, 400),
+    span=st.integers(4200, 9000),
+)
+def test_generated_frame_counts_are_each_checked_once(convs, low, span):
+    high = low + span
+    dynamic = ({1: torch.export.Dim.DYNAMIC(min=low, max=high)},)
+    program = torch.export.export(
+        Strided(convs), (torch.randn(1, low + 7),), dynamic_shapes=dynamic
+    )
+    mark_for_lowering({"forward": program})
+    (doubled,) = (n for n in program.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    found = known_at_every_size(program, doubled, state_facts(program))
+    frames = sorted({_chain(length, convs) for length in range(low, high + 1)})
+    if len(frames) > MAX_SIZES:
+        assert isinstance(found, Declined) and "distinct sizes" in found.reason
+        return
+    assert [len(value) for _, value in found] == frames
+    for at, value in found:
+        assert torch.equal(value, torch.arange(_chain(next(iter(at.values())), convs)) * 2)
