@@ -8,11 +8,11 @@
 
 `to_executorch` retraces each delegate's original program, outside any scope of
 etfold's, so torch's fake convolution chooses its CPU kernel again, with guards.
-Each choice the lowering made (a `KernelChoice`) is made once more
-here, on fake tensors of the same size expressions, hints and declared ranges in a
-shape environment of its own: the same guards, none of them in the user's
-environment. A range it narrows below its declared upper bound is one
-`to_executorch` would plan for.
+Each choice the lowering made (a `KernelChoice`) is made once more here, on fake
+tensors of the same size expressions, hints and declared ranges, in a shape
+environment of its own: the same guards, none of them in the user's environment.
+A range it narrows below its declared upper bound is one `to_executorch` would
+plan for.
 """
 
 from __future__ import annotations
