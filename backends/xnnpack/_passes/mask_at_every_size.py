@@ -203,7 +203,8 @@ def size_assignments(
     if cone is not None and MAX_SIZES < count <= MAX_SYMBOL_VALUES:
         classes = _size_classes(symbols, ranges, sizes_read_by_tensor_ops(cone))
         if classes is not None and len(classes) > MAX_SIZES:
-            return _too_many(symbols, ranges, reads, len(classes), "distinct sizes")
+            what = "distinct sizes" if len(classes) < count else "sizes"
+            return _too_many(symbols, ranges, reads, len(classes), what)
         if classes is not None:
             return classes
     if count > MAX_SIZES:
