@@ -37,7 +37,7 @@ SIZE_BOOKKEEPING = {"aten.sym_size.int", "floordiv", "add", "sub", "mul"}
 
 
 class FramesAttention(torch.nn.Module):
-    """Samples through two strided convolutions (a frame per 20 samples), a sinusoidal
+    """Samples through two strided convolutions (a frame per 40 samples), a sinusoidal
     position code of the frame count (`positions`), and one attention layer under the
     mask transformers' `sdpa_mask` builds for an input with no padding:
     `arange(frames) >= 0`, expanded to [1, 1, frames, frames]."""
@@ -46,7 +46,7 @@ class FramesAttention(torch.nn.Module):
         super().__init__()
         self.heads, self.positions = heads, positions
         self.conv1 = torch.nn.Conv1d(1, 8, 10, stride=5)
-        self.conv2 = torch.nn.Conv1d(8, width, 4, stride=4)
+        self.conv2 = torch.nn.Conv1d(8, width, 8, stride=8)
         self.qkv, self.o = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
         inv_freq = 1.0 / 100 ** (torch.arange(width // 2).float() / (width // 2))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
