@@ -138,17 +138,16 @@ def _put_back(size: DeclaredSize, previous) -> None:
     else:
         size.env.var_to_range[size.symbol] = previous
     # the environment's caches (what it knows statically) are keyed by this counter, and
-    # may hold answers the narrowed range gave
+    # may hold answers another range gave
     size.env._version_counter += 1
 
 
 def _narrowed_while_lowering(sizes: list[DeclaredSize], before: dict, guards: dict) -> list[str]:
-    """Why each declared upper bound the lowering narrowed is refused; every range put back."""
+    """Why each declared upper bound the lowering narrowed is refused; every range put
+    back as it was before the lowering."""
     refused = []
     for size in sizes:
-        now, previous = size.env.var_to_range.get(size.symbol), before[_key(size)]
-        if now == previous:
-            continue
+        now = size.env.var_to_range.get(size.symbol)
         if now is not None and now.upper < size.declared.upper:
             taken = size.env.guards[guards[id(size.env)] :]
             refused.append(
@@ -156,7 +155,8 @@ def _narrowed_while_lowering(sizes: list[DeclaredSize], before: dict, guards: di
                 f"narrowed {size.symbol} to {now.upper}{_narrowing_guard(taken, size.symbol)}: "
                 "the program would refuse the sizes above it"
             )
-        _put_back(size, previous)
+        if now != before[_key(size)]:
+            _put_back(size, before[_key(size)])
     return refused
 
 
@@ -165,18 +165,27 @@ def _key(size: DeclaredSize) -> tuple[int, sympy.Symbol]:
 
 
 def _narrowed_before(sizes: list[DeclaredSize], before: dict) -> str:
-    """Why a lowering is refused before it starts: a declared range its shape environment
-    holds narrower (planning reads its upper bound, the size checks its whole range)."""
+    """Why a lowering is refused before it starts: a declared upper bound its shape
+    environment holds lower, which `to_executorch` would plan for."""
     for size in sizes:
         now, declared = before[_key(size)], size.declared
-        if now is not None and (now.upper < declared.upper or now.lower > declared.lower):
+        if now is not None and now.upper < declared.upper:
             return (
-                f"{size.named} is declared in {declared.lower}..{declared.upper}, but its "
-                f"shape environment already holds {size.symbol} in {now.lower}..{now.upper} (a "
-                "guard an earlier lowering or `to_executorch` of this export took): lower a "
-                "fresh export"
+                f"{size.named} is declared up to {declared.upper}, but its shape environment "
+                f"already bounds {size.symbol} by {now.upper} (a guard an earlier lowering or "
+                "`to_executorch` of this export took): lower a fresh export"
             )
     return ""
+
+
+def _widen_to_declared(sizes: list[DeclaredSize], before: dict) -> None:
+    """A lower bound a guard raised since export (at the traced size, above a kernel
+    choice's threshold) is the declared one while lowering: the sizes below it still run,
+    and each fact checked at every size must hold there too."""
+    for size in sizes:
+        now = before[_key(size)]
+        if now is not None and now.lower > size.declared.lower:
+            _put_back(size, size.declared)
 
 
 def _narrowed_by_to_executorch(recorded: list[KernelChoice], sizes: list[DeclaredSize]) -> str:
@@ -190,14 +199,15 @@ def _narrowed_by_to_executorch(recorded: list[KernelChoice], sizes: list[Declare
 
 @contextlib.contextmanager
 def bounds_kept(programs: Mapping[str, ExportedProgram]) -> Iterator[None]:
-    """Run a lowering of `programs` inside `declared_bounds_kept()`; on leaving, every
-    declared size's range is as before. `DeclaredBoundNarrowed` is raised when a declared
-    upper bound is narrowed before the lowering, by it, or (called outside
-    `declared_bounds_kept()`) by the `to_executorch` to come."""
+    """Run a lowering of `programs` inside `declared_bounds_kept()`, each declared size
+    over its declared range; on leaving, every range is as before. `DeclaredBoundNarrowed`
+    is raised when a declared upper bound is narrowed before the lowering, by it, or
+    (called outside `declared_bounds_kept()`) by the `to_executorch` to come."""
     sizes = [size for program in programs.values() for size in declared_sizes(program)]
     before = {_key(size): size.env.var_to_range.get(size.symbol) for size in sizes}
     if refused := _narrowed_before(sizes, before):
         raise DeclaredBoundNarrowed(refused)
+    _widen_to_declared(sizes, before)
     guards = {id(size.env): len(size.env.guards) for size in sizes}
     planned_inside = PATCH.active()
     recorded: list[KernelChoice] = []

@@ -120,17 +120,34 @@ def test_an_export_an_earlier_to_executorch_narrowed_is_refused_before_lowering(
     with declared_bounds_kept(), pytest.raises(DeclaredBoundNarrowed) as refused:
         to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
     said = str(refused.value)
-    assert f"dim 1 of `x` is declared in {LOW}..{HIGH}" in said, said
-    assert "already holds s" in said and f"in {LOW}..{KERNEL_CHOICE_AT}" in said, said
+    assert f"dim 1 of `x` is declared up to {HIGH}" in said, said
+    assert "already bounds s" in said and f"by {KERNEL_CHOICE_AT}" in said, said
 
 
-def test_an_export_whose_lower_bound_a_guard_raised_is_refused_before_lowering():
+class Checking(torch.fx.passes.infra.pass_base.PassBase):
+    """A transform that reads the length's range, as the checks at every size do."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def call(self, graph_module):
+        size = _length(graph_module.graph)
+        self.seen.append(size.shape_env.var_to_range[size.expr])
+        return torch.fx.passes.infra.pass_base.PassResult(graph_module, False)
+
+
+def test_a_lower_bound_a_guard_raised_is_the_declared_one_while_lowering():
     program = _export()
     size = _length(program.graph)
-    size.shape_env.constrain_symbol_range(size.expr, 5000, HIGH)  # the size checks' range
-    with declared_bounds_kept(), pytest.raises(DeclaredBoundNarrowed) as refused:
-        to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
-    assert f"in 5000..{HIGH}" in str(refused.value), refused.value
+    size.shape_env.constrain_symbol_range(size.expr, 5000, HIGH)  # a guard at the traced size
+    checking = Checking()
+    with declared_bounds_kept():
+        to_edge_transform_and_lower(
+            program, transform_passes=[checking], partitioner=[XnnpackPartitioner()]
+        )
+    assert [(r.lower, r.upper) for r in checking.seen] == [(LOW, HIGH)]
+    assert _range_and_guards(program)[0].lower == 5000  # put back
 
 
 @pytest.mark.long  # the short profile holds the scope's plan at the bounds
