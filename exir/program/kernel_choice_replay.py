@@ -104,22 +104,27 @@ def _replayed(choice: KernelChoice, replay: _Replay, original) -> None:
         original(replay.tensor(choice.input), replay.tensor(choice.weight), **options)
 
 
+def _symbols_read(choice: KernelChoice) -> tuple[object, set[sympy.Symbol]]:
+    """The shape environment of `choice`'s symbolic sizes and strides, and their symbols."""
+    env, found = None, set()
+    for value in (choice.input, choice.weight):
+        for size in (*value.shape, *value.stride()):
+            if isinstance(size, torch.SymInt):
+                env = size.node.shape_env
+                found |= size.node.expr.free_symbols
+    return env, found
+
+
 def narrowed_by_kernel_choices(
     choices: list[KernelChoice], sizes: list[DeclaredSize], original
 ) -> str:
     """Why `to_executorch` would plan a declared size below its bound ("" when none):
     each choice of `choices` that reads a size of `sizes`, made with its guards by torch's
-    `original` kernel choice."""
-    declared = {size.symbol: size for size in sizes}
+    `original` kernel choice (a choice over a size with no hint takes no guard: skipped)."""
     for choice in choices:
-        read = {
-            symbol
-            for value in (choice.input, choice.weight)
-            for size in value.shape
-            if isinstance(size, torch.SymInt)
-            for symbol in size.node.expr.free_symbols
-        }
-        if not read & declared.keys():
+        env, read = _symbols_read(choice)
+        declared = {size.symbol: size for size in sizes if size.env is env}
+        if not read & declared.keys() or not read <= env.backed_var_to_val.keys():
             continue
         replay = _Replay(declared)
         _replayed(choice, replay, original)
