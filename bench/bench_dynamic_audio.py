@@ -8,6 +8,7 @@
 
     .venv/bin/python bench/bench_dynamic_audio.py [--budget 30] [--runs 20]
                                                   [--held-out] [--no-timing]
+                                                  [--only-held-out HubertModel,...]
 
 The model: transformers' Wav2Vec2Model, random weights (hidden 128, 2 layers, 4 heads,
 conv_dim (64, 64, 64), kernels (10, 3, 3), strides (5, 2, 2): a frame per 20 samples),
@@ -27,7 +28,8 @@ Printed:
   kind (median over the calls), and the delegate calls' time no operator accounts for
   (XNNPACK's reshape and setup, argument copies).
 `--held-out`: transformers' other encoders of this kind, tiny configs of the same
-shape, static and dynamic: delegates / ops outside, and the dynamic program's errors.
+shape, static and dynamic: delegates / ops outside, and the dynamic program's errors
+(`--only-held-out`: those named, and nothing else).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def held_out(name: str) -> torch.nn.Module:
     import transformers
 
     config_name, differs = HELD_OUT[name]
-    config = getattr(transformers, config_name)(
+    shape = dict(
         hidden_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -85,8 +87,8 @@ def held_out(name: str) -> torch.nn.Module:
         conv_stride=(5, 2, 2),
         num_conv_pos_embeddings=16,
         num_conv_pos_embedding_groups=4,
-        **differs,
     )
+    config = getattr(transformers, config_name)(**{**shape, **differs})
     torch.manual_seed(0)
     for attention in ("sdpa", "eager"):  # eager where transformers has no SDPA for it
         config._attn_implementation = attention
@@ -200,9 +202,9 @@ def wav2vec2_rows(args) -> None:
             print(f"  delegate time no operator accounts for: {unaccounted:.3f} ms")
 
 
-def held_out_rows() -> None:
+def held_out_rows(names) -> None:
     print("\n== held out: delegates / ops outside (kernels in the .pte), static -> dynamic")
-    for name in HELD_OUT:
+    for name in names:
         module = held_out(name)
         said = []
         for shapes in ("static", "dynamic"):
@@ -226,13 +228,17 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=30.0, help="timing seconds")
     parser.add_argument("--runs", type=int, default=20, help="rounds at least; ETDump calls")
     parser.add_argument("--held-out", action="store_true", help="the held-out encoders too")
+    parser.add_argument("--only-held-out", default="", help="these held-out encoders alone")
     parser.add_argument("--no-timing", action="store_true", help="lowerings and errors only")
     args = parser.parse_args()
     torch.set_num_threads(1)
     _unsafe_reset_threadpool(1)
+    if args.only_held_out:
+        held_out_rows(args.only_held_out.split(","))
+        return
     wav2vec2_rows(args)
     if args.held_out:
-        held_out_rows()
+        held_out_rows(list(HELD_OUT))
 
 
 if __name__ == "__main__":
