@@ -152,7 +152,10 @@ def xnnpack_lowering(flavour: str, program, partitioner_kwargs: Mapping[str, Any
     from etfold.exir import to_edge_transform_and_lower
 
     return xnnpack_runner.lower_xnnpack(
-        program, [XnnpackPartitioner(**partitioner_kwargs)], lower=to_edge_transform_and_lower
+        program,
+        [XnnpackPartitioner(**partitioner_kwargs)],
+        lower=to_edge_transform_and_lower,
+        keep_declared_bounds=True,
     )
 
 

@@ -8,6 +8,13 @@
 
 from etfold.exir.emit.external_constants import ExternalConstantCollisionError
 from etfold.exir.passes.constant_prop_pass import constant_prop_pass
+from etfold.exir.program.declared_bounds import DeclaredBoundNarrowed, declared_bounds_kept
 from etfold.exir.program.lower import to_edge_transform_and_lower
 
-__all__ = ["ExternalConstantCollisionError", "constant_prop_pass", "to_edge_transform_and_lower"]
+__all__ = [
+    "DeclaredBoundNarrowed",
+    "ExternalConstantCollisionError",
+    "constant_prop_pass",
+    "declared_bounds_kept",
+    "to_edge_transform_and_lower",
+]

@@ -70,3 +70,26 @@ def test_every_lowering_speedup_finds_what_it_replaces_on_the_pinned_versions():
     assert untested_versions() == []
     assert registered_speedups()
     assert why_unavailable((*TORCH_PATCHES, *registered_speedups(), LAZY_GRAPH_MODULES)) is None
+
+
+def test_what_keeping_declared_bounds_reads_and_replaces():
+    """Memory planning reads the shape environment's ranges; the fake convolution chooses
+    its kernel through `torch._C._select_conv_backend`, which the bounds' patch replaces
+    and the replay calls on a shape environment of its own."""
+    from executorch.exir import sym_util
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from etfold.exir.program.declared_bounds import PATCH
+
+    PATCH.check()
+    assert "var_to_range" in inspect.getsource(sym_util.eval_upper_bound)
+    for method in ("suppress_guards", "create_symbol", "create_symintnode"):
+        assert callable(getattr(ShapeEnv, method)), method
+    assert list(inspect.signature(ShapeEnv.constrain_symbol_range).parameters) == [
+        "self",
+        "s",
+        "compiler_min",
+        "compiler_max",
+    ]
+    env = ShapeEnv()
+    assert isinstance(env.backed_var_to_val, dict) and isinstance(env._version_counter, int)

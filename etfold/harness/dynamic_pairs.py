@@ -39,9 +39,16 @@ class LengthAxis:
     high: int
     traced: int
     step: int = 1  # the length is a multiple of it (whole frames of audio)
+    # False: `Dim.DYNAMIC` with the bounds, as users declare audio in samples (torch's
+    # export cannot prove a named Dim's guards through the frame count's floordivs)
+    named: bool = True
 
     def dynamic_shapes(self) -> tuple:
-        steps = torch.export.Dim("length", min=self.low // self.step, max=self.high // self.step)
+        low, high = self.low // self.step, self.high // self.step
+        if self.named:
+            steps = torch.export.Dim("length", min=low, max=high)
+        else:
+            steps = torch.export.Dim.DYNAMIC(min=low, max=high)
         length = steps if self.step == 1 else self.step * steps
         return tuple({axis: length for axis in axes} or None for axes in self.axes)
 
@@ -68,10 +75,13 @@ def lower_with_decisions(
     dynamic_shapes=None,
 ) -> Lowered:
     """Export `module` (with `dynamic_shapes` when given), lower it through etfold's
-    entry point, and keep the decisions the lowering recorded."""
+    entry point, planned for the declared bounds, and keep the decisions the lowering
+    recorded."""
     program = torch.export.export(in_eval_mode(module), inputs, dynamic_shapes=dynamic_shapes)
     with collect_decisions() as decisions:
-        lowered = lower_xnnpack(program, partitioners(), lower=to_edge_transform_and_lower)
+        lowered = lower_xnnpack(
+            program, partitioners(), lower=to_edge_transform_and_lower, keep_declared_bounds=True
+        )
     return Lowered(lowered, tuple(decisions))
 
 

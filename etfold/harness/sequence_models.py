@@ -75,20 +75,36 @@ class LastHiddenState(torch.nn.Module):
 
 
 def tiny_wav2vec2(
-    hidden: int = 128, layers: int = 2, heads: int = 4, conv_channels: int = 64
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    conv_channels: int = 64,
+    feature_convs: tuple[tuple[int, int], ...] | None = None,
 ) -> torch.nn.Module:
-    """transformers' Wav2Vec2Model with random weights: 7 feature convs of `conv_channels`
-    (a frame per 320 samples), an even-kernel positional conv, SDPA attention."""
+    """transformers' Wav2Vec2Model with random weights: feature convs of `conv_channels`,
+    (kernel, stride) each as `feature_convs` says (default: transformers' 7, a frame per
+    320 samples), an even-kernel positional conv, SDPA attention."""
     from transformers import Wav2Vec2Config, Wav2Vec2Model
 
+    convs = {}
+    if feature_convs is not None:
+        convs = dict(
+            conv_kernel=tuple(kernel for kernel, _ in feature_convs),
+            conv_stride=tuple(stride for _, stride in feature_convs),
+        )
     config = Wav2Vec2Config(
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         intermediate_size=4 * hidden,
-        conv_dim=(conv_channels,) * 7,
+        conv_dim=(conv_channels,) * len(feature_convs or (None,) * 7),
         num_conv_pos_embeddings=16,
         num_conv_pos_embedding_groups=4,
         attn_implementation="sdpa",
+        **convs,
     )
     return LastHiddenState(Wav2Vec2Model(config)).eval()
+
+
+# three feature convs, a frame per 20 samples: audio in samples stays small enough to test
+SHORT_FEATURE_CONVS = ((10, 5), (3, 2), (3, 2))

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import types
@@ -108,9 +109,21 @@ def lower_xnnpack(
     lower: Callable[..., EdgeProgramManager] = upstream_to_edge_transform_and_lower,
     compile_config=None,
     executorch_config=None,
+    keep_declared_bounds: bool = False,
 ) -> XnnpackProgram:
-    """`lower(programs, partitioner=…)` → `to_executorch` → runtime module; the two
-    lowering calls run with etfold's lowering speed-ups (`lowering_speedups`)."""
+    """`lower(programs, partitioner=…)` → `to_executorch` → runtime module; with
+    `keep_declared_bounds`, both inside `etfold.exir.declared_bounds_kept()`, so a dynamic
+    program is planned for the bounds its export declared."""
+    from etfold.exir import declared_bounds_kept
+
+    with declared_bounds_kept() if keep_declared_bounds else contextlib.nullcontext():
+        return _lowered_and_loaded(programs, partitioners, lower, compile_config, executorch_config)
+
+
+def _lowered_and_loaded(
+    programs: Programs, partitioners, lower, compile_config, executorch_config
+) -> XnnpackProgram:
+    """The two lowering calls run with etfold's lowering speed-ups (`lowering_speedups`)."""
     with lowering_speedups():
         edge = lower(
             programs if isinstance(programs, ExportedProgram) else dict(programs),

@@ -15,7 +15,9 @@ see one method, know what the other methods do; a partitioner lowered through
 upstream's entry point computes the same marks itself. The scopes backends
 register (`lowering_scopes`) are entered around the call, so whatever a
 backend installed into upstream for it is gone when it returns or raises, and
-torch does less work for the same result (`torch_speedups`). In the returned
+torch does less work for the same result (`torch_speedups`). The lowered
+programs keep the size bounds the export declared, or the call refuses naming the
+one it narrowed (`declared_bounds`). In the returned
 programs, which the lowering made, constants that share a name across methods
 but not their data are renamed apart, so an external constant map
 (`to_executorch` with `external_constants`) gives each method its own data.
@@ -31,6 +33,7 @@ from torch.export import ExportedProgram
 
 from etfold.exir.emit.external_constants import give_distinct_data_distinct_names
 from etfold.exir.program.buffer_marks import mark_buffer_fold_blockers
+from etfold.exir.program.declared_bounds import bounds_kept
 from etfold.exir.program.lowering_scopes import lowering_scopes
 from etfold.exir.program.method_marks import (
     MarkingStep,
@@ -73,7 +76,8 @@ def to_edge_transform_and_lower(
         for method, program in by_method.items()
     }
     mark_for_lowering(copies)
-    with lowering_scopes(), torch_speedups(speedups):
+    aten_programs = {m: p for m, p in copies.items() if isinstance(p, ExportedProgram)}
+    with bounds_kept(aten_programs), lowering_scopes(), torch_speedups(speedups):
         manager = _upstream_to_edge_transform_and_lower(
             copies if isinstance(programs, dict) else copies["forward"],
             transform_passes=transform_passes,

@@ -34,7 +34,10 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 from etfold.backends.xnnpack._passes.attention_mask_unexpanded_pass import MASK_AT, SDPA
-from etfold.backends.xnnpack._passes.mask_at_every_size import known_at_every_size
+from etfold.backends.xnnpack._passes.mask_at_every_size import (
+    elements_source,
+    known_at_every_size,
+)
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.graph_walk import StateFacts, drop_unread, state_facts
 from etfold.exir.passes.node_rewrite_driver import rewrite_judged_on_a_copy
@@ -66,7 +69,7 @@ def judge_mask_all_true(
     mask = _bool_mask(node)
     if mask is None:
         return None
-    values = known_at_every_size(program, mask, facts)
+    values = known_at_every_size(program, elements_source(mask), facts)
     if isinstance(values, Declined):
         return values
     for assignment, value in values:

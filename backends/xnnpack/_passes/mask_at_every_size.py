@@ -15,6 +15,13 @@ admit is checked at each of them, which is exact; a budget of sizes and
 elements bounds the work, and past it the caller declines naming the dims.
 Each node is computed by constant propagation's own `evaluate`, each size read
 (`sym_size`) given its value at that size.
+
+A value may read sizes derived from the symbols rather than the symbols: a frame
+count `L // 20 - 1` of an audio length `L` (convolutions' output lengths). Then
+the lengths that give every derived size it reads the same value give it the same
+value too, and one of each such class is checked: a length in 4000..32000 gives
+1401 frame counts. The classes come from the derived sizes' expressions computed at
+every length at once (torch's tensor reference of sympy, exact in int64).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
+from torch.utils._sympy.interp import sympy_interp
+from torch.utils._sympy.reference import TensorReferenceAnalysis
 
 from etfold.decisions import Declined
 from etfold.exir.passes.constant_prop.evaluate import evaluate
@@ -39,6 +48,28 @@ aten = torch.ops.aten
 
 MAX_SIZES = 4096  # size assignments checked, across all symbols
 MAX_ELEMENTS = 1 << 25  # mask elements computed, summed over the assignments
+MAX_SYMBOL_VALUES = 1 << 22  # assignments whose derived sizes are computed, to find their classes
+
+
+# ops whose result holds exactly the elements of their first argument (broadcast or viewed)
+_SAME_ELEMENTS = {
+    aten.expand.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.view.default,
+    aten.reshape.default,
+    aten.alias.default,
+}
+
+
+def elements_source(node: Node) -> Node:
+    """The value whose elements `node` holds, through broadcasts and views: a property of
+    every element (all True) holds for `node` when it holds for the source, which is
+    cheaper to check at every size (an [s, 1] mask expanded to [s, s])."""
+    while node.target in _SAME_ELEMENTS and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node
 
 
 def reads_sizes_only(node: Node, cone: set[Node]) -> bool:
@@ -72,25 +103,113 @@ def _read_of(symbol: sympy.Symbol, reads: list[Node]) -> str:
     return "a size"
 
 
-def size_assignments(reads: list[Node]) -> list[dict] | Declined:
-    """Every value of the symbols `reads` depend on, within the export's bounds."""
-    symbols = _symbols(reads)
-    if not symbols:
-        return Declined("the sizes the mask reads have no symbols")
-    env = _shape_env(reads)
-    ranges = []
+def _is_symbolic_scalar(node: Node) -> bool:
+    return isinstance(node_value(node), torch.SymInt | torch.SymBool | torch.SymFloat)
+
+
+def sizes_read_by_tensor_ops(cone: set[Node]) -> list[Node]:
+    """The symbolic scalars of `cone` (a size read, or arithmetic on sizes) that an op
+    computing a tensor reads: every tensor of `cone` is a function of their values alone
+    (and of constants), since a user input in it is read for its sizes only."""
+    return sorted(
+        (
+            node
+            for node in cone
+            if _is_symbolic_scalar(node)
+            and any(user in cone and not _is_symbolic_scalar(user) for user in node.users)
+        ),
+        key=lambda node: node.name,
+    )
+
+
+def _ranges(
+    symbols: list[sympy.Symbol], reads: list[Node], declared: Mapping | None
+) -> list[range] | Declined:
+    """Each symbol's sizes: the range its export declared where given, else its shape
+    environment's (which a guard taken since may have narrowed, while the runtime still
+    takes every declared size)."""
+    env, ranges = _shape_env(reads), []
     for symbol in symbols:
-        bound = env.bound_sympy(symbol)
+        bound = (declared or {}).get(symbol) or env.bound_sympy(symbol)
         if not bound.upper.is_finite:
             return Declined(f"dynamic shape: {symbol} has no upper bound to check the mask below")
         ranges.append(range(int(bound.lower), int(bound.upper) + 1))
+    return ranges
+
+
+def _too_many(symbols, ranges, reads, count: int, what: str) -> Declined:
+    named = ", ".join(
+        f"{_read_of(symbol, reads)} ({symbol} in {r.start}..{r.stop - 1})"
+        for symbol, r in zip(symbols, ranges, strict=True)
+    )
+    return Declined(f"dynamic shape: {named}: {count} {what}, over {MAX_SIZES} to check")
+
+
+def _grid(ranges: list[range]) -> list[torch.Tensor]:
+    """Every assignment of the ranges, one int64 column per symbol (the first symbol's
+    values vary slowest, as `itertools.product` orders them)."""
+    axes = [torch.arange(r.start, r.stop, dtype=torch.int64) for r in ranges]
+    return [column.reshape(-1) for column in torch.meshgrid(*axes, indexing="ij")]
+
+
+def _first_of_each_class(keys: torch.Tensor) -> list[int]:
+    """The index of the first row of each distinct row of `keys`, in row order."""
+    if keys.shape[1] == 0:
+        return [0]
+    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), keys.shape[0], dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(keys.shape[0]), "amin")
+    return sorted(first.tolist())
+
+
+def _size_classes(
+    symbols: list[sympy.Symbol], ranges: list[range], derived: list[Node]
+) -> list[dict] | None:
+    """One assignment of each class of assignments that give `derived` the same values
+    (the first of the class), in assignment order; None when a size's expression is
+    not one torch's tensor reference evaluates, or not an integer or a boolean."""
+    if any(isinstance(node_value(node), torch.SymFloat) for node in derived):
+        return None  # its values would not be told apart as integers
+    grid = _grid(ranges)
+    env = dict(zip(symbols, grid, strict=True))
+    columns = []
+    for node in derived:
+        try:
+            value = sympy_interp(TensorReferenceAnalysis, env, node_value(node).node.expr)
+        except (NotImplementedError, AttributeError, TypeError, KeyError):
+            return None
+        columns.append(torch.as_tensor(value, dtype=torch.int64).expand(grid[0].shape))
+    keys = torch.stack(columns, 1) if columns else grid[0].new_empty(grid[0].shape[0], 0)
+    return [
+        {symbol: int(column[row]) for symbol, column in env.items()}
+        for row in _first_of_each_class(keys)
+    ]
+
+
+def size_assignments(
+    reads: list[Node], cone: set[Node] | None = None, declared: Mapping | None = None
+) -> list[dict] | Declined:
+    """Every value of the symbols `reads` depend on, within the export's bounds; or, given
+    the `cone` those reads are in, one assignment of each class whose sizes read by the
+    cone's tensor ops (`sizes_read_by_tensor_ops`) are equal, which the cone cannot tell
+    apart: a frame count `L // 20 - 1` of a length `L` in 4000..32000 takes 1401 values.
+    `declared`: the program's range constraints."""
+    symbols = _symbols(reads)
+    if not symbols:
+        return Declined("the sizes the mask reads have no symbols")
+    ranges = _ranges(symbols, reads, declared)
+    if isinstance(ranges, Declined):
+        return ranges
     count = math.prod(len(r) for r in ranges)
+    if cone is not None and MAX_SIZES < count <= MAX_SYMBOL_VALUES:
+        classes = _size_classes(symbols, ranges, sizes_read_by_tensor_ops(cone))
+        if classes is not None and len(classes) > MAX_SIZES:
+            what = "distinct sizes" if len(classes) < count else "sizes"
+            return _too_many(symbols, ranges, reads, len(classes), what)
+        if classes is not None:
+            return classes
     if count > MAX_SIZES:
-        named = ", ".join(
-            f"{_read_of(symbol, reads)} ({symbol} in {r.start}..{r.stop - 1})"
-            for symbol, r in zip(symbols, ranges, strict=True)
-        )
-        return Declined(f"dynamic shape: {named}: {count} sizes, over {MAX_SIZES} to check")
+        return _too_many(symbols, ranges, reads, count, "sizes")
     return [dict(zip(symbols, values, strict=True)) for values in itertools.product(*ranges)]
 
 
@@ -107,13 +226,17 @@ def _elements(mask: Node, assignments: list[dict]) -> int:
 
 
 def values_at_every_size(
-    mask: Node, cone: set[Node], sources: Mapping[Node, torch.Tensor]
+    mask: Node,
+    cone: set[Node],
+    sources: Mapping[Node, torch.Tensor],
+    declared: Mapping | None = None,
 ) -> list[tuple[dict, torch.Tensor]] | Declined:
     """(assignment, `mask`'s value there) for every size assignment; `cone` is the
     mask and all it reads, `sources` the values of its constant placeholders (the
-    other placeholders are read for their sizes only)."""
+    other placeholders are read for their sizes only), `declared` the program's range
+    constraints."""
     reads = size_reads(cone)
-    assignments = size_assignments(reads)
+    assignments = size_assignments(reads, cone, declared)
     if isinstance(assignments, Declined):
         return assignments
     if (elements := _elements(mask, assignments)) > MAX_ELEMENTS:
@@ -186,4 +309,4 @@ def known_at_every_size(
     if not size_reads(cone):
         value = _value_at(node, cone, sources, [], {})
         return value if isinstance(value, Declined) else [({}, value)]
-    return values_at_every_size(node, cone, sources)
+    return values_at_every_size(node, cone, sources, program.range_constraints)

@@ -51,6 +51,7 @@ from etfold.backends.xnnpack._passes.delegated_floats import (
 )
 from etfold.decisions import Declined, record_applied
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+from etfold.exir.passes.node_shapes import node_value
 
 FOLD = "xnnpack.mul_scalar_as_tensor"
 
@@ -93,7 +94,7 @@ def match_mul_scalar(
     """The rewrite of `node`, a reason it stays, or None when it is not ours to judge."""
     if node.op != "call_function" or node.target != aten.mul.Scalar:
         return None
-    value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    value = node_value(node.args[0])
     if not isinstance(value, torch.Tensor):
         return Declined("no tensor metadata on the multiplied input")
     scalar = node.args[1]

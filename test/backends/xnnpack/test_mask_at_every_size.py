@@ -5,13 +5,18 @@
 # LICENSE file in the root directory of this source tree.
 
 """A value computed from constants and sizes, at every size its bounds allow: what
-`known_at_every_size` gives, and what `reads_user_values` says of the nodes it reads."""
+`known_at_every_size` gives (once per class of sizes giving it the same derived sizes:
+frame counts of a sample count), and what `reads_user_values` says of the nodes it reads."""
 
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from etfold.backends.xnnpack._passes.mask_at_every_size import (
+    MAX_SIZES,
+    elements_source,
     known_at_every_size,
     reads_user_values,
 )
@@ -69,3 +74,118 @@ def test_a_buffer_no_lowering_judged_is_not_known():
     program, nodes = _program(marked=False)
     found = known_at_every_size(program, nodes["add"], state_facts(program))
     assert isinstance(found, Declined) and "was not judged across methods" in found.reason
+
+
+class FramePositions(torch.nn.Module):
+    """Positions of the frames two strided convolutions make of `x`'s samples, built
+    from the sample count alone: (L - 10) // 5 + 1, then (n - 3) // 2 + 1."""
+
+    def forward(self, x):
+        frames = ((x.shape[1] - 10) // 5 + 1 - 3) // 2 + 1
+        positions = torch.arange(frames)[:, None] >= 0
+        return x.sum() + positions.expand(frames, frames).sum()
+
+
+def _frames(length: int) -> int:
+    return ((length - 10) // 5 + 1 - 3) // 2 + 1
+
+
+def _samples_program(low: int, high: int, marked: bool = True):
+    samples = torch.export.Dim.DYNAMIC(min=low, max=high)  # torch cannot prove a named one
+    program = torch.export.export(
+        FramePositions(), (torch.randn(1, low + 50),), dynamic_shapes=({1: samples},)
+    )
+    if marked:
+        mark_for_lowering({"forward": program})
+    nodes = {node.name: node for node in program.graph.nodes}
+    return program, nodes
+
+
+def _the_compare(nodes: dict) -> torch.fx.Node:
+    (compare,) = (n for n in nodes.values() if n.target is torch.ops.aten.ge.Scalar)
+    return compare
+
+
+def test_a_value_of_frame_counts_is_computed_once_per_frame_count():
+    program, nodes = _samples_program(100, 20000)  # 19901 lengths, over MAX_SIZES
+    assert MAX_SIZES < 20000 - 100 + 1
+    found = known_at_every_size(program, _the_compare(nodes), state_facts(program))
+    assert not isinstance(found, Declined), found
+    frames = [_frames(next(iter(at.values()))) for at, _ in found]
+    assert frames == sorted(set(map(_frames, range(100, 20001))))
+    # each class is named by its first length, and the value is the one at that length
+    for n, (_, value) in zip(frames, found, strict=True):
+        assert value.shape == (n, 1) and bool(value.all())
+    assert [next(iter(at.values())) for at, _ in found][:2] == [100, 110]
+
+
+def test_declines_when_the_frame_counts_are_too_many_to_check():
+    program, nodes = _samples_program(100, 100_000)  # 9989 frame counts
+    found = known_at_every_size(program, _the_compare(nodes), state_facts(program))
+    assert isinstance(found, Declined) and "distinct sizes, over 4096" in found.reason, found
+
+
+def test_the_declared_range_is_checked_where_a_guard_narrowed_the_environment():
+    program, nodes = _samples_program(100, 2000)
+    x = program.graph_signature.user_inputs[0]
+    size = nodes[x].meta["val"].shape[1].node
+    size.shape_env.constrain_symbol_range(size.expr, 100, 1000)  # as a guard would
+    found = known_at_every_size(program, _the_compare(nodes), state_facts(program))
+    assert _frames(next(iter(found[-1][0].values()))) == _frames(2000)
+
+
+def test_the_elements_of_a_broadcast_are_those_of_its_source():
+    program, nodes = _samples_program(100, 2000)
+    (expand,) = (n for n in nodes.values() if n.target is torch.ops.aten.expand.default)
+    assert elements_source(expand) is _the_compare(nodes)
+    assert elements_source(_the_compare(nodes)) is _the_compare(nodes)
+
+
+class Strided(torch.nn.Module):
+    """Positions of the frames a chain of (kernel, stride) convolutions makes of `x`'s
+    samples, computed from the sample count alone."""
+
+    def __init__(self, convs: tuple[tuple[int, int], ...]):
+        super().__init__()
+        self.convs = convs
+
+    def forward(self, x):
+        frames = x.shape[1]
+        for kernel, stride in self.convs:
+            frames = (frames - kernel) // stride + 1
+        return x.sum() + (torch.arange(frames) * 2).sum()
+
+
+def _chain(length: int, convs) -> int:
+    for kernel, stride in convs:
+        length = (length - kernel) // stride + 1
+    return length
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    convs=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 6)), min_size=1, max_size=3).map(
+        tuple
+    ),
+    low=st.integers(200, 400),
+    span=st.integers(4200, 9000),
+)
+def test_generated_frame_counts_are_each_checked_once(convs, low, span):
+    high = low + span
+    dynamic = ({1: torch.export.Dim.DYNAMIC(min=low, max=high)},)
+    program = torch.export.export(
+        Strided(convs), (torch.randn(1, low + 7),), dynamic_shapes=dynamic
+    )
+    mark_for_lowering({"forward": program})
+    (doubled,) = (n for n in program.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    found = known_at_every_size(program, doubled, state_facts(program))
+    # export may raise the lower bound (a guard of its own: no single frame, say)
+    (declared,) = program.range_constraints.values()
+    lengths = range(int(declared.lower), int(declared.upper) + 1)
+    frames = sorted({_chain(length, convs) for length in lengths})
+    if len(frames) > MAX_SIZES:
+        assert isinstance(found, Declined) and f"{len(frames)} " in found.reason, found
+        return
+    assert [len(value) for _, value in found] == frames
+    for at, value in found:
+        assert torch.equal(value, torch.arange(_chain(next(iter(at.values())), convs)) * 2)
