@@ -8,7 +8,8 @@
 rewrite each match.
 
 On an ExportedProgram (`rewrite_matches_on_a_copy`), a working copy is rewritten
-only when something matched. On a graph module a backend pass manager owns
+only when something matched, each node matched there after the rewrites of the
+nodes before it. On a graph module a backend pass manager owns
 (`rewrite_each_match`), each match is rewritten in place as it is found.
 
 The program handed in may be the user's (upstream passes the user's program to
@@ -72,8 +73,15 @@ def rewrite_matches_on_a_copy(
     copied = copy_for_rewrite(program)
     if on_copy is not None:
         on_copy(copied)
-    for found in matches_in(copied, match):
-        rewrite(found)
+    for node in list(copied.graph.nodes):
+        # each node is matched on the graph the rewrites before it left: a match taken
+        # earlier could name a node an earlier rewrite erased (a layer norm of a layer
+        # norm reads the getitem the first rewrite removes); torch marks such a node
+        if node._erased:
+            continue
+        found = match(node)
+        if found is not None and not isinstance(found, Declined):
+            rewrite(found)
     copied.graph_module.recompile()
     _check_sizes_kept(copied, fixed, fold)
     return copied

@@ -136,6 +136,27 @@ def test_a_conv_output_normalized_over_its_width_matches_eager():
     assert_close(program.run(*inputs), expected, atol=1e-5, rtol=1e-5)
 
 
+class NormOfNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.LayerNorm(16), torch.nn.LayerNorm(16)
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.linear(self.second(self.first(x)))
+
+
+def test_a_norm_of_a_norm_is_rewritten_twice_and_matches_eager():
+    """The second norm reads the first one's output, which the first rewrite replaces: each
+    rewrite reads the graph the one before left (stock lowers this; etfold once failed)."""
+    torch.manual_seed(4)
+    module, inputs = NormOfNorm().eval(), _inputs((2, 5, 16))
+    program, expected, decisions = _lower(module, inputs)
+    assert [d.applied for d in decisions] == [True, True]
+    assert program.delegates() == 1 and not program.ops_outside()
+    assert_close(program.run(*inputs), expected, atol=1e-5, rtol=1e-5)
+
+
 def _declined(module, inputs, *, bf16=False, edit=None, **export_kwargs) -> list[str]:
     """The pass on the exported program: it comes back unchanged; the reasons."""
     program = torch.export.export(module.eval(), inputs, **export_kwargs)

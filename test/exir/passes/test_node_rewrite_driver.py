@@ -172,3 +172,36 @@ def test_a_rewrite_that_keeps_the_sizes_symbolic_passes():
     by_view = _transposing(lambda v: v.permute(1, 0).contiguous())
     rewritten = rewrite_matches_on_a_copy(program, _the_multiply, by_view, "test.fold")
     assert rewritten is not program and fixed_sizes(rewritten) == {}
+
+
+class NegOfNeg(torch.nn.Module):
+    def forward(self, x):
+        return torch.neg(torch.neg(x)) + 1
+
+
+def test_on_a_copy_a_later_match_reads_the_node_an_earlier_rewrite_put_in():
+    """Each neg is replaced by a new node: the second neg's match is taken after the
+    first rewrite, so it reads the first one's replacement, never the erased neg."""
+    from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
+
+    program = torch.export.export(NegOfNeg(), (torch.randn(3),))
+    read = []
+
+    def match(node):
+        if node.target is not torch.ops.aten.neg.default:
+            return None
+        read.append(node.args[0].name)
+        return node
+
+    def rewrite(node):
+        with node.graph.inserting_before(node):
+            replacement = node.graph.call_function(torch.ops.aten.mul.Tensor, (node.args[0], -1.0))
+        replacement.meta = dict(node.meta)
+        node.replace_all_uses_with(replacement)
+        node.graph.erase_node(node)
+
+    rewritten = rewrite_matches_on_a_copy(program, match, rewrite, "test.fold")
+    assert read == ["x", "neg", "x", "mul_tensor"]  # the scan of the program, then the copy's
+    x = torch.randn(3)
+    torch.testing.assert_close(rewritten.module()(x), x + 1)
+    assert [n.target for n in program.graph.nodes].count(torch.ops.aten.neg.default) == 2
