@@ -73,7 +73,9 @@ def test_xnnpack_pte_loads_on_the_runtime_and_matches_eager(capfd, tmp_path, dyn
     assert (code, err) == (0, []), err
     assert "1 delegate(s)" in stdout and "ops outside delegates: none" in stdout
     assert "applied  xnnpack.fold_gemm_weight" in stdout
-    method = Runtime.get().load_program(out.read_bytes()).load_method("forward")
+    # the method reads the program (and the bytes it holds): both must outlive its calls
+    program = Runtime.get().load_program(out.read_bytes())
+    method = program.load_method("forward")
     for batch in (1, 8) if dynamic else (2,):
         x = torch.randn(batch, 8)
         (actual,) = method.execute((x,))
