@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 report: $(STAMP)
 	$(VENV)/bin/etfold report
 
+# Ends with where the time went: the slowest tests (--durations) and, from test/conftest.py,
+# the slowest files and each worker's busy time against the wall clock.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 2 --dist loadgroup
+	$(VENV)/bin/python -m pytest -n 2 --dist loadgroup --durations=20
 
 # The long profile: the cases `make test` samples (marked `long`: more dtypes, layouts and
 # model pairings of properties the short profile proves once), and the wheel install below.

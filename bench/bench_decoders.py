@@ -37,7 +37,7 @@ would). The default run took 6 min 45 s wall beside another job
 outside and delegates repeat per layer, so a few layers show every pattern a full-size
 model has; latency, lowering time and RSS grow with the count.
 
-Models (random weights, seeded; configs written below, nothing downloaded):
+Models (random weights, seeded; configs in etfold/harness/bench_models.py, nothing downloaded):
   smollm2_360m    transformers Llama with SmolLM2-360M's shape: 32 layers, hidden 960,
                   intermediate 2560, 15 heads / 5 KV heads, vocab 49152, rope_theta 1e5,
                   tied embeddings, sdpa; `input_ids (1, 32) -> logits`, no KV cache
@@ -107,7 +107,8 @@ from pathlib import Path
 
 import torch
 
-from etfold.demo_models.mixed_precision_decoders import LogitsOnly, token_ids
+from etfold.harness.bench_models import DECODERS, in_dtype
+from etfold.harness.bench_models import decoder_in_dtype as build
 from etfold.harness.timing import time_interleaved
 from etfold.harness.xnnpack_runner import eager_outputs, max_abs_error
 
@@ -115,138 +116,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRELOAD = ["torch", "transformers", "executorch.exir", "etfold.exir", "etfold.backends.xnnpack"]
 
 
-def smollm2_360m(layers: int):
-    """SmolLM2-360M's shape, random weights, fp32; 32 token ids."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=960,
-        intermediate_size=2560,
-        num_hidden_layers=layers or 32,
-        num_attention_heads=15,
-        num_key_value_heads=5,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    return LogitsOnly(LlamaForCausalLM(config).eval()).eval(), (token_ids(49152, 32),)
-
-
-class HiddenStatesOnly(torch.nn.Module):
-    """`waveform -> last_hidden_state`, one tensor out."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_values: torch.Tensor) -> torch.Tensor:
-        return self.model(input_values).last_hidden_state
-
-
-def wav2vec2_large(layers: int):
-    """wav2vec2-large-lv60's shape, random weights, fp32; 1 s of 16 kHz audio."""
-    from transformers import Wav2Vec2Config, Wav2Vec2Model
-
-    config = Wav2Vec2Config(
-        hidden_size=1024,
-        num_hidden_layers=layers or 24,
-        num_attention_heads=16,
-        intermediate_size=4096,
-        hidden_act="gelu",
-        conv_dim=(512,) * 7,
-        conv_stride=(5, 2, 2, 2, 2, 2, 2),
-        conv_kernel=(10, 3, 3, 3, 3, 2, 2),
-        conv_bias=True,
-        feat_extract_norm="layer",
-        feat_extract_activation="gelu",
-        do_stable_layer_norm=True,
-        num_conv_pos_embeddings=128,
-        num_conv_pos_embedding_groups=16,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    audio = torch.randn(1, 16000, generator=torch.Generator().manual_seed(1))
-    return HiddenStatesOnly(Wav2Vec2Model(config).eval()).eval(), (audio,)
-
-
-def bert_base(layers: int):
-    """bert-base-uncased's shape, random weights, fp32; 128 token ids, no padding mask."""
-    from transformers import BertConfig, BertModel
-
-    config = BertConfig(
-        vocab_size=30522,
-        hidden_size=768,
-        num_hidden_layers=layers or 12,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = BertModel(config, add_pooling_layer=False).eval()
-    return HiddenStatesOnly(model).eval(), (token_ids(30522, 128),)
-
-
-def vit_base(layers: int):
-    """vit-base-patch16-224's shape, random weights, fp32; one 224x224 image."""
-    from transformers import ViTConfig, ViTModel
-
-    config = ViTConfig(
-        hidden_size=768,
-        num_hidden_layers=layers or 12,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        image_size=224,
-        patch_size=16,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    image = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(1))
-    return HiddenStatesOnly(ViTModel(config, add_pooling_layer=False).eval()).eval(), (image,)
-
-
-def whisper_base_encoder(layers: int):
-    """whisper-base's encoder shape, random weights, fp32; 30 s of 80-bin log-mel features."""
-    from transformers import WhisperConfig, WhisperModel
-
-    config = WhisperConfig(
-        d_model=512,
-        encoder_layers=layers or 6,
-        encoder_attention_heads=8,
-        encoder_ffn_dim=2048,
-        decoder_layers=1,
-        decoder_attention_heads=8,
-        num_mel_bins=80,
-        max_source_positions=1500,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    features = torch.randn(1, 80, 3000, generator=torch.Generator().manual_seed(1))
-    return HiddenStatesOnly(WhisperModel(config).get_encoder().eval()).eval(), (features,)
-
-
-MODELS = {
-    "smollm2_360m": smollm2_360m,
-    "wav2vec2_large": wav2vec2_large,
-    "bert_base": bert_base,
-    "vit_base": vit_base,
-    "whisper_base_encoder": whisper_base_encoder,
-}
+MODELS = DECODERS
 FP32_ONLY = {"wav2vec2_large"}
-
-
-def build(model: str, dtype: torch.dtype, layers: int):
-    """The seeded model in `dtype` (built in fp32, then cast) and its inputs (float ones
-    in `dtype` too: audio, images)."""
-    module, inputs = MODELS[model](layers)
-    return module.to(dtype), in_dtype(inputs, dtype)
-
-
-def in_dtype(inputs: tuple, dtype: torch.dtype) -> tuple:
-    return tuple(i.to(dtype) if i.is_floating_point() else i for i in inputs)
 
 
 def _rss_kb(field: str) -> int:

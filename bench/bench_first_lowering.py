@@ -40,23 +40,9 @@ else:
     from etfold.exir import to_edge_transform_and_lower as lower
     to_edge_transform_and_lower = functools.partial(lower, speedups=side == "etfold+su")
 
-class Attention(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.qkv = torch.nn.Linear(32, 96)
+from etfold.harness.bench_models import first_lowering_model
 
-    def forward(self, x):
-        q, k, v = self.qkv(x).chunk(3, -1)
-        return torch.softmax(q @ k.transpose(-1, -2) / 32**0.5, -1) @ v
-
-torch.manual_seed(0)
-if model == "conv":
-    module = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3)
-    )
-    inputs = (torch.randn(1, 3, 16, 16),)
-else:
-    module, inputs = Attention(), (torch.randn(1, 8, 32),)
+module, inputs = first_lowering_model(model)
 program = torch.export.export(module.eval(), inputs)
 start = time.perf_counter()
 to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()]).to_executorch().buffer

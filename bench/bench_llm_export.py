@@ -87,6 +87,7 @@ from pathlib import Path
 
 import torch
 
+from etfold.harness.bench_models import hf_models
 from etfold.harness.llama_export import (
     SMOLLM2_135M,
     LlamaShape,
@@ -327,43 +328,6 @@ def llm_rows(args, workdir: Path) -> None:
 
 
 # ---- HF rows
-def hf_models():
-    """name -> (module, static inputs, dynamic_shapes)."""
-    from torch.export import Dim
-    from transformers import BertConfig, BertModel
-
-    from etfold.demo_models.mixed_precision_decoders import tiny_llama, token_ids
-    from etfold.harness.sequence_models import LastHiddenState, tiny_wav2vec2
-
-    torch.manual_seed(0)
-    bert = BertModel(
-        BertConfig(
-            vocab_size=1000,
-            hidden_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=512,
-            attn_implementation="sdpa",
-        ),
-        add_pooling_layer=False,
-    )
-    wav2vec2 = tiny_wav2vec2()
-    audio = torch.randn(1, 16000, generator=torch.Generator().manual_seed(1))
-    return {
-        "bert": (
-            LastHiddenState(bert).eval(),
-            (token_ids(1000, 64),),
-            Dim("tokens", min=8, max=128),
-        ),
-        "wav2vec2": (
-            wav2vec2,
-            (audio,),
-            320 * Dim("frames", min=13, max=100),
-        ),
-        "llama": (tiny_llama(torch.float32), (token_ids(1000, 32),), Dim("tokens", min=4, max=64)),
-    }
-
-
 def _kernels_outside(program) -> int:
     """Kernel calls outside delegates in the serialized program, counted as the LLM rows
     count them (views, symbolic sizes and scalar arithmetic left out)."""

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from etfold.harness import onnx_peer, op_profiles
+from etfold.harness import bench_models, onnx_peer, op_profiles
 from etfold.harness.timing import Spread, time_interleaved
 
 BEHIND = 0.97  # ORT/etfold below this: profile where etfold's time goes
@@ -76,32 +76,10 @@ class Row:
     profile: bool = False  # profile even when etfold is not behind ORT
 
 
-def _bert_base():
-    from transformers import BertConfig, BertModel
-
-    from etfold.harness.sequence_models import LastHiddenState
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        hidden_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        attn_implementation="sdpa",
-    )
-    return LastHiddenState(BertModel(config, add_pooling_layer=False)).eval()
-
-
-def _token_ids(length: int, vocab: int):
-    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length))
-
-
 def _hf(name: str):
     """bench_llm_export's HF models (module, static inputs, dynamic Dim), built once."""
-    from bench_llm_export import hf_models
-
     if name not in _HF:
-        _HF.update(hf_models())
+        _HF.update(bench_models.hf_models())
     return _HF[name]
 
 
@@ -109,25 +87,13 @@ _HF: dict = {}
 
 
 def _hifigan():
-    from bench_weight_fold import HIFIGAN_BENCH
-
-    from etfold.demo_models.xnnpack_weight_norm import hifigan
-
-    return hifigan(64, **HIFIGAN_BENCH)
+    return bench_models.weight_fold_models(64)["hifigan"]()
 
 
 def _mobilenet():
     from etfold.demo_models.arm_mlperf_tiny import MOBILENET_V1_025
 
     return MOBILENET_V1_025[0]()
-
-
-def _lstm():
-    from bench_recurrent import MODELS, RecurrentHead
-
-    cell, size, hidden, shape = MODELS["lstm"]
-    torch.manual_seed(0)
-    return RecurrentHead(cell, size, hidden).eval(), (torch.rand(*shape),)
 
 
 def rows() -> list[Row]:
@@ -140,7 +106,7 @@ def rows() -> list[Row]:
         return ({1: dim},)
 
     def bert_base():
-        return _bert_base(), (_token_ids(128, 30522),)
+        return bench_models.bert_base(4)
 
     square = Dim("side", min=64, max=128)
     return [
@@ -170,8 +136,14 @@ def rows() -> list[Row]:
         Row("hifigan", "dynamic", _hifigan, seq(Dim("frames", min=16, max=128)), "16..128 frames"),
         Row("mobilenet", "static", _mobilenet),
         Row("mobilenet", "dynamic", _mobilenet, ({2: square, 3: square},), "64..128 px square"),
-        Row("lstm", "static", _lstm),
-        Row("lstm", "dynamic", _lstm, seq(Dim("steps", min=8, max=64)), "8..64 steps"),
+        Row("lstm", "static", lambda: bench_models.recurrent("lstm")),
+        Row(
+            "lstm",
+            "dynamic",
+            lambda: bench_models.recurrent("lstm"),
+            seq(Dim("steps", min=8, max=64)),
+            "8..64 steps",
+        ),
     ]
 
 

@@ -43,6 +43,8 @@ from torch.export.graph_signature import InputKind
 
 from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.exir import to_edge_transform_and_lower as etfold_lower
+from etfold.harness.bench_models import RECURRENT as MODELS
+from etfold.harness.bench_models import recurrent
 from etfold.harness.timing import time_interleaved
 from etfold.harness.xnnpack_runner import (
     eager_outputs,
@@ -53,26 +55,6 @@ from etfold.harness.xnnpack_runner import (
 
 _DELEGATE_CALL = torch.ops.higher_order.executorch_call_delegate
 _STATE = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
-
-
-class RecurrentHead(torch.nn.Module):
-    def __init__(self, cell: type[torch.nn.Module], size: int, hidden: int, out: int = 10):
-        super().__init__()
-        self.rnn = cell(input_size=size, hidden_size=hidden, batch_first=True)
-        self.linear = torch.nn.Linear(hidden, hidden)
-        self.linear2 = torch.nn.Linear(hidden, out)
-
-    def forward(self, x):
-        x, _ = self.rnn(x)
-        x = self.linear2(self.linear(x[:, -1, :]))
-        return torch.nn.functional.log_softmax(x, dim=1)
-
-
-MODELS = {
-    "lstm": (torch.nn.LSTM, 32, 32, (1, 32, 32)),
-    "gru": (torch.nn.GRU, 32, 32, (1, 32, 32)),
-    "lstm_large": (torch.nn.LSTM, 128, 256, (1, 50, 128)),
-}
 
 
 LOWERINGS = {
@@ -91,9 +73,7 @@ def state_inputs_of_delegates(program) -> int:
 
 def bench_model(name: str, args) -> None:
     cell, size, hidden, shape = MODELS[name]
-    torch.manual_seed(0)
-    module = RecurrentHead(cell, size, hidden).eval()
-    x = torch.rand(*shape)
+    module, (x,) = recurrent(name)
     reference = eager_outputs(module, (x,))
     loads = {}
     for lowering, (partitioner, lower) in LOWERINGS.items():

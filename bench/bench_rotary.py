@@ -30,36 +30,17 @@ import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
     XnnpackPartitioner as UpstreamXnnpackPartitioner,
 )
-from executorch.examples.models.llama.rope import apply_rotary_emb
 from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 
 from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.backends.xnnpack.partition import pre_decomposition_rewrites as rewrites
 from etfold.exir import to_edge_transform_and_lower
+from etfold.harness.bench_models import RotaryLayers as Layers
+from etfold.harness.bench_models import rotary_inputs as _inputs
 from etfold.harness.timing import time_interleaved
 from etfold.harness.xnnpack_runner import lower_xnnpack
 
 REWRITE = "last_dim_unbinds_and_stacks_transposed"
-
-
-class Layers(torch.nn.Module):
-    def __init__(self, layers: int):
-        super().__init__()
-        self.layers = layers
-
-    def forward(self, q, k, cos, sin):
-        for _ in range(self.layers):
-            q, k = apply_rotary_emb(q, k, cos, sin)
-        return q, k
-
-
-def _inputs(tokens: int) -> tuple:
-    gen = torch.Generator().manual_seed(tokens)
-    q, k = (
-        torch.randn(1, tokens, 9, 64, generator=gen),
-        torch.randn(1, tokens, 3, 64, generator=gen),
-    )
-    return q, k, torch.randn(tokens, 32, generator=gen), torch.randn(tokens, 32, generator=gen)
 
 
 def _without_the_rewrite():

@@ -25,18 +25,7 @@ import argparse
 
 import torch
 
-
-def _models() -> dict[str, tuple[torch.nn.Module, tuple]]:
-    from etfold.demo_models.arm_npu_blocks import Attention
-
-    torch.manual_seed(0)
-    conv = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3), torch.nn.GELU()
-    )
-    return {
-        "small CNN": (conv.eval(), (torch.randn(1, 3, 16, 16),)),
-        "attention": (Attention(32, 2).eval(), (torch.randn(1, 8, 32),)),
-    }
+from etfold.harness.bench_models import warm_lowering_models as _models
 
 
 def _flavours(program):

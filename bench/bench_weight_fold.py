@@ -42,7 +42,6 @@ import argparse
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,11 +49,11 @@ from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
     XnnpackPartitioner as UpstreamXnnpackPartitioner,
 )
 from executorch.exir import to_edge_transform_and_lower as upstream_lower
-from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
 from etfold.backends.xnnpack import XnnpackPartitioner
-from etfold.demo_models.xnnpack_weight_norm import hifigan, positional_conv, remove_parametrizations
+from etfold.demo_models.xnnpack_weight_norm import remove_parametrizations
 from etfold.exir import to_edge_transform_and_lower as etfold_lower
+from etfold.harness.bench_models import weight_fold_models as models
 from etfold.harness.inspection import lowered_modules
 from etfold.harness.xnnpack_runner import (
     XnnpackProgram,
@@ -62,34 +61,6 @@ from etfold.harness.xnnpack_runner import (
     lower_xnnpack,
     max_abs_error,
 )
-
-HIFIGAN_BENCH = dict(
-    model_in_dim=80,
-    upsample_initial_channel=128,
-    upsample_rates=(4, 4),
-    upsample_kernel_sizes=(8, 8),
-    resblock_kernel_sizes=(3, 7, 11),
-    resblock_dilation_sizes=((1, 3, 5), (1, 3, 5), (1, 3, 5)),
-)
-
-
-def _spectral(seed: int = 0):
-    torch.manual_seed(seed)
-    return spectral_norm(torch.nn.Linear(1024, 1024)).eval(), (torch.randn(1, 128, 1024),)
-
-
-def _conv2d(seed: int = 0):
-    torch.manual_seed(seed)
-    return weight_norm(torch.nn.Conv2d(64, 128, 3)).eval(), (torch.randn(1, 64, 56, 56),)
-
-
-def models(frames: int) -> dict[str, Callable[[], tuple[torch.nn.Module, tuple]]]:
-    return {
-        "pos_conv": lambda: positional_conv(frames),
-        "spectral": _spectral,
-        "conv2d": _conv2d,
-        "hifigan": lambda: hifigan(64, **HIFIGAN_BENCH),
-    }
 
 
 @dataclass

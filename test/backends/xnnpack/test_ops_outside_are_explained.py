@@ -10,7 +10,7 @@ Each op left outside a delegate either computes from a user input (directly or
 through other ops, delegates included), so no fold could remove it, or is named
 in a decline recorded during the lowering (a budget, or a reason). Every model
 `etfold report --backend xnnpack` lowers is checked (its fp32 twins, llama's fp16
-row, both gemma3 rows, the autocast block and the vocoder in `make test-long`), each lowered once
+row, both gemma3 rows, the autocast decoders and the vocoder in `make test-long`), each lowered once
 through etfold's entry point and partitioner, as the report does
 (`lowered_demo`, whose lowering other test files read too; one worker runs them all).
 """
@@ -31,14 +31,16 @@ def _same_build(build) -> tuple:
 
 
 # The llama decoder in bf16 in `make test` (the row other files of the group read too);
-# in `make test-long`: its fp16 row, both gemma3 rows, the autocast block (the autocast
-# decoder's row covers its regions), the explicit bf16 decoder (the llama row is an
-# explicit bf16 decoder too) and the weight_norm vocoder (wav2vec2_pos_conv's row folds
-# weight_norm convs, test_fuzz_weight_fold transposed ones).
+# in `make test-long`: its fp16 row, both gemma3 rows, the autocast decoder and block
+# (each a decoder lowering no other short test reads; the llama row is a bf16 decoder with
+# fp32 <-> bf16 converts too, test_inline_autocast_regions_pass inlines the regions), the explicit
+# bf16 decoder (the llama row is an explicit bf16 decoder too) and the weight_norm vocoder
+# (wav2vec2_pos_conv's row folds weight_norm convs, test_fuzz_weight_fold transposed ones).
 LONG_ROWS = {
     "gemma3_tiny_bf16",
     "gemma3_tiny_fp16",
     "llama_tiny_fp16",
+    "decoder_autocast_bf16",
     "decoder_block_autocast_bf16",
     "decoder_explicit_bf16",
     "speecht5_hifigan_small",

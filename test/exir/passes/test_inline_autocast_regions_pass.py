@@ -53,13 +53,25 @@ class AutocastMlp(torch.nn.Module):
             return self.down(torch.relu(self.up(x)))
 
 
+class ExplicitlyCastMlp(AutocastMlp):
+    """AutocastMlp with the casts autocast makes written out: bf16 GEMMs on bf16 copies."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            x = x * 2
+        bf16 = torch.bfloat16
+        up = torch.nn.functional.linear(x.to(bf16), self.up.weight.to(bf16), self.up.bias.to(bf16))
+        down, bias = self.down.weight.to(bf16), self.down.bias.to(bf16)
+        return torch.nn.functional.linear(torch.relu(up), down, bias)
+
+
 def _regions(program) -> int:
     return sum(1 for n in program.graph.nodes if n.target in INLINABLE_REGIONS)
 
 
-def _mlp():
+def _mlp(module_type: type[AutocastMlp] = AutocastMlp):
     torch.manual_seed(0)
-    return AutocastMlp().eval(), (torch.randn(4, 32),)
+    return module_type().eval(), (torch.randn(4, 32),)
 
 
 def test_regions_are_inlined_with_autocast_casts_explicit():
@@ -121,12 +133,28 @@ def test_autocast_mlp_lowers_to_one_delegate_and_matches_eager():
     assert_close(lowered.run(*inputs), expected, atol=2e-2, rtol=2e-2)
 
 
+def test_the_autocast_mlp_lowers_like_its_explicitly_cast_twin():
+    lowered = {}
+    for module_type in (AutocastMlp, ExplicitlyCastMlp):
+        module, inputs = _mlp(module_type)
+        lowered[module_type], expected = lower_module_xnnpack(
+            module, inputs, [XnnpackPartitioner()], lower=to_edge_transform_and_lower
+        )
+        assert_close(lowered[module_type].run(*inputs), expected, atol=2e-2, rtol=2e-2)
+    autocast, explicit = lowered[AutocastMlp], lowered[ExplicitlyCastMlp]
+    assert autocast.delegates() == explicit.delegates()
+    assert sum(autocast.ops_outside().values()) <= sum(explicit.ops_outside().values())
+
+
+# The report's decoders, each a decoder lowering, in `make test-long`: the MLP pair above
+# proves the pairing in `make test`.
 @pytest.fixture(scope="module")
 def decoders():
     """The report's two decoder rows, lowered once for every test file that reads them (one worker runs those files)."""
     return {cast: lowered_demo(f"decoder_{cast}_bf16") for cast in ("autocast", "explicit")}
 
 
+@pytest.mark.long
 def test_the_autocast_decoder_lowers_like_its_explicitly_cast_twin(decoders):
     autocast = decoders["autocast"].program
     explicit = decoders["explicit"].program
@@ -135,6 +163,7 @@ def test_the_autocast_decoder_lowers_like_its_explicitly_cast_twin(decoders):
     assert sum(autocast.ops_outside().values()) <= sum(explicit.ops_outside().values()) + 1
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("cast", ["autocast", "explicit"])
 def test_decoders_match_eager_on_the_runtime(decoders, cast):
     lowering = decoders[cast]
