@@ -122,14 +122,34 @@ def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
     return _reachable(node, lambda current: current.all_input_nodes)
 
 
+# ops that read their first operand for its shape, dtype and device only, never its
+# values: a size read, and the fills shaped (or typed) like it
+SHAPE_ONLY_READERS = frozenset(
+    {
+        torch.ops.aten.sym_size.int,
+        torch.ops.aten.zeros_like.default,
+        torch.ops.aten.ones_like.default,
+        torch.ops.aten.full_like.default,
+        torch.ops.aten.new_zeros.default,
+        torch.ops.aten.new_ones.default,
+        torch.ops.aten.new_full.default,
+    }
+)
+
+
+def value_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes whose values `node` reads: its inputs, less the first operand of an op
+    that reads only that operand's shape (`SHAPE_ONLY_READERS`)."""
+    if node.target not in SHAPE_ONLY_READERS:
+        return node.all_input_nodes
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args[1:], node.kwargs), found.append)
+    return list(dict.fromkeys(found))
+
+
 def value_ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
-    """`node` and every node whose values it is computed from: a size read
-    (`sym_size`) is in, what it reads the size of is not (its values are never read)."""
-
-    def value_inputs(current: torch.fx.Node) -> list[torch.fx.Node]:
-        sizes_only = current.target is torch.ops.aten.sym_size.int
-        return [] if sizes_only else current.all_input_nodes
-
+    """`node` and every node whose values it is computed from (`value_inputs`): a size
+    read or a fill shaped like an operand is in, that operand is not."""
     return _reachable(node, value_inputs)
 
 

@@ -41,7 +41,13 @@ from torch.utils._sympy.reference import TensorReferenceAnalysis
 from etfold.decisions import Declined
 from etfold.exir.passes.constant_prop.evaluate import evaluate
 from etfold.exir.passes.constant_prop.verdicts import EVERY_METHOD, source_verdict
-from etfold.exir.passes.graph_walk import StateFacts, input_kinds, value_ancestors
+from etfold.exir.passes.graph_walk import (
+    SHAPE_ONLY_READERS,
+    StateFacts,
+    input_kinds,
+    value_ancestors,
+    value_inputs,
+)
 from etfold.exir.passes.node_shapes import node_value
 
 aten = torch.ops.aten
@@ -49,6 +55,9 @@ aten = torch.ops.aten
 MAX_SIZES = 4096  # size assignments checked, across all symbols
 MAX_ELEMENTS = 1 << 25  # mask elements computed, summed over the assignments
 MAX_SYMBOL_VALUES = 1 << 22  # assignments whose derived sizes are computed, to find their classes
+
+# fills shaped like their first operand (a `new_*` fill is only typed like it)
+_FILLS_LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default}
 
 
 # ops whose result holds exactly the elements of their first argument (broadcast or viewed)
@@ -73,33 +82,52 @@ def elements_source(node: Node) -> Node:
 
 
 def reads_sizes_only(node: Node, cone: set[Node]) -> bool:
-    """Every reader of `node` inside `cone` reads only one of its sizes."""
-    return all(user.target is aten.sym_size.int for user in node.users if user in cone)
+    """Every reader of `node` inside `cone` reads only its shape (`value_inputs`)."""
+    return all(node not in value_inputs(user) for user in node.users if user in cone)
 
 
 def size_reads(cone: set[Node]) -> list[Node]:
-    return [node for node in cone if node.target is aten.sym_size.int]
+    """The nodes of `cone` that read an operand's shape, not its values (`value_inputs`)."""
+    return [node for node in cone if node.target in SHAPE_ONLY_READERS]
+
+
+def _sizes_read(read: Node) -> list[tuple[int, object]]:
+    """(dim, size) of each size of its operand that `read` takes: the one a `sym_size`
+    reads, every dim a fill shaped like its operand has (a `new_*` fill takes its sizes
+    as arguments, read by nodes of their own)."""
+    if read.target is aten.sym_size.int:
+        return [(read.args[1], node_value(read))]
+    if read.target in _FILLS_LIKE:
+        return list(enumerate(node_value(read).shape))
+    return []
+
+
+def _symbolic_sizes(reads: list[Node]) -> list[tuple[Node, int, torch.SymInt]]:
+    return [
+        (read, dim, size)
+        for read in reads
+        for dim, size in _sizes_read(read)
+        if isinstance(size, torch.SymInt)
+    ]
 
 
 def _symbols(reads: list[Node]) -> list[sympy.Symbol]:
     found: set[sympy.Symbol] = set()
-    for read in reads:
-        value = node_value(read)
-        if isinstance(value, torch.SymInt):
-            found |= value.node.expr.free_symbols
+    for _, _, size in _symbolic_sizes(reads):
+        found |= size.node.expr.free_symbols
     return sorted(found, key=str)
 
 
 def _shape_env(reads: list[Node]):
-    (env, *_) = {node_value(read).node.shape_env for read in reads}
+    (env, *_) = {size.node.shape_env for _, _, size in _symbolic_sizes(reads)}
     return env
 
 
 def _read_of(symbol: sympy.Symbol, reads: list[Node]) -> str:
     """ "dim d of `x`" for the first size read that is `symbol` itself."""
-    for read in reads:
-        if node_value(read).node.expr == symbol:
-            return f"dim {read.args[1]} of `{read.args[0].name}`"
+    for read, dim, size in _symbolic_sizes(reads):
+        if size.node.expr == symbol:
+            return f"dim {dim} of `{read.args[0].name}`"
     return "a size"
 
 
@@ -107,11 +135,12 @@ def _is_symbolic_scalar(node: Node) -> bool:
     return isinstance(node_value(node), torch.SymInt | torch.SymBool | torch.SymFloat)
 
 
-def sizes_read_by_tensor_ops(cone: set[Node]) -> list[Node]:
-    """The symbolic scalars of `cone` (a size read, or arithmetic on sizes) that an op
-    computing a tensor reads: every tensor of `cone` is a function of their values alone
-    (and of constants), since a user input in it is read for its sizes only."""
-    return sorted(
+def sizes_read_by_tensor_ops(cone: set[Node]) -> list[object]:
+    """The symbolic sizes that an op of `cone` computing a tensor reads: a symbolic
+    scalar of `cone` (a size read, or arithmetic on sizes) it takes, the dims of an
+    operand it is shaped like. Every tensor of `cone` is a function of their values
+    alone (and of constants), since a user input in it is read for its sizes only."""
+    scalars = sorted(
         (
             node
             for node in cone
@@ -120,6 +149,8 @@ def sizes_read_by_tensor_ops(cone: set[Node]) -> list[Node]:
         ),
         key=lambda node: node.name,
     )
+    fills = sorted((n for n in cone if n.target in _FILLS_LIKE), key=lambda node: node.name)
+    return [node_value(n) for n in scalars] + [s for _, _, s in _symbolic_sizes(fills)]
 
 
 def _ranges(
@@ -163,19 +194,21 @@ def _first_of_each_class(keys: torch.Tensor) -> list[int]:
 
 
 def _size_classes(
-    symbols: list[sympy.Symbol], ranges: list[range], derived: list[Node]
+    symbols: list[sympy.Symbol], ranges: list[range], derived: list[object]
 ) -> list[dict] | None:
     """One assignment of each class of assignments that give `derived` the same values
     (the first of the class), in assignment order; None when a size's expression is
     not one torch's tensor reference evaluates, or not an integer or a boolean."""
-    if any(isinstance(node_value(node), torch.SymFloat) for node in derived):
+    if any(isinstance(size, torch.SymFloat) for size in derived):
         return None  # its values would not be told apart as integers
     grid = _grid(ranges)
     env = dict(zip(symbols, grid, strict=True))
     columns = []
-    for node in derived:
+    for size in derived:
+        if not isinstance(size, torch.SymInt | torch.SymBool):
+            continue  # a static dim: the same in every class
         try:
-            value = sympy_interp(TensorReferenceAnalysis, env, node_value(node).node.expr)
+            value = sympy_interp(TensorReferenceAnalysis, env, size.node.expr)
         except (NotImplementedError, AttributeError, TypeError, KeyError):
             return None
         columns.append(torch.as_tensor(value, dtype=torch.int64).expand(grid[0].shape))
@@ -196,7 +229,7 @@ def size_assignments(
     `declared`: the program's range constraints."""
     symbols = _symbols(reads)
     if not symbols:
-        return Declined("the sizes the mask reads have no symbols")
+        return [{}]  # every size read is static: one value
     ranges = _ranges(symbols, reads, declared)
     if isinstance(ranges, Declined):
         return ranges
@@ -259,7 +292,11 @@ def _value_at(
     """`node`'s value with each size read at `assignment`, or a Declined."""
     ordered = [n for n in node.graph.nodes if n in cone and n.op == "call_function"]
     values: dict[Node, object] = dict(sources)
-    values.update({read: concrete(node_value(read), assignment) for read in reads})
+    for read in reads:
+        if read.target is aten.sym_size.int:
+            values[read] = concrete(node_value(read), assignment)
+        elif isinstance(operand := read.args[0], Node) and operand not in values:
+            values[operand] = _stand_in(operand, read.target in _FILLS_LIKE, assignment)
     for current in ordered:
         if current not in values:
             value = evaluate(current, values)
@@ -269,15 +306,23 @@ def _value_at(
     return values[node]
 
 
+def _stand_in(operand: Node, shaped: bool, assignment: Mapping) -> torch.Tensor:
+    """Uninitialized, for an `operand` read for its dtype and device, and its shape at
+    `assignment` when `shaped` (else empty)."""
+    value = node_value(operand)
+    shape = [concrete(size, assignment) for size in value.shape] if shaped else [0]
+    return torch.empty(shape, dtype=value.dtype, device=value.device)
+
+
 def user_value_readers(program: ExportedProgram) -> set[Node]:
-    """The nodes that are, or compute from, the values of a user input (a size read,
-    `sym_size`, reads none: its value is the size alone)."""
+    """The nodes that are, or compute from, the values of a user input (a size read or a
+    fill shaped like it reads none: `value_inputs`)."""
     kinds, found = input_kinds(program), set()
     for node in program.graph.nodes:
         if node.op == "placeholder":
             if kinds.get(node.name) == InputKind.USER_INPUT:
                 found.add(node)
-        elif node.target is not aten.sym_size.int and any(n in found for n in node.all_input_nodes):
+        elif any(n in found for n in value_inputs(node)):
             found.add(node)
     return found
 
@@ -306,7 +351,4 @@ def known_at_every_size(
             why = verdict.reason if verdict is not None else "not a constant"
             return Declined(f"`{node.name}` is not known when lowering: {why}")
         sources[placeholder] = verdict.tensor
-    if not size_reads(cone):
-        value = _value_at(node, cone, sources, [], {})
-        return value if isinstance(value, Declined) else [({}, value)]
     return values_at_every_size(node, cone, sources, program.range_constraints)

@@ -4,9 +4,10 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""BERT's token types, a buffer of zeros read up to the sequence length, are one row
-of their table: on a dynamic sequence the row joins the delegate's add, as the folded
-lookup does on a static one."""
+"""Token types that are one index at every length are one row of their table, however
+the user wrote them (BERT's buffer of zeros read up to the length, `zeros(1, s)`,
+`zeros_like(ids)`, `ids.new_zeros(...)`): on a dynamic sequence the row joins the
+delegate's add, as the folded lookup does on a static one."""
 
 from __future__ import annotations
 
@@ -41,6 +42,14 @@ def _buffer_types(module, ids):
 
 def _zeros(module, ids):
     return torch.zeros((1, ids.shape[1]), dtype=torch.long)
+
+
+def _zeros_like(module, ids):
+    return torch.zeros_like(ids)
+
+
+def _new_zeros(module, ids):
+    return ids.new_zeros(ids.shape)
 
 
 def _fives(module, ids):
@@ -107,13 +116,18 @@ def _export(module: torch.nn.Module) -> torch.export.ExportedProgram:
     )
 
 
-def test_the_graph_adds_a_row_constant():
-    module = Embeddings(types=_zeros)
+SAME_TYPES = {"zeros": _zeros, "zeros_like": _zeros_like, "new_zeros": _new_zeros}
+
+
+@pytest.mark.parametrize("spelling", SAME_TYPES)
+def test_the_graph_adds_a_row_constant(spelling):
+    module = Embeddings(types=SAME_TYPES[spelling])
     program = _export(module)
     with collect_decisions() as decisions:
         rewritten = embeddings_of_one_index_as_rows(program)
     ops = Counter(str(n.target) for n in rewritten.graph.nodes if n.op == "call_function")
-    assert ops[EMBEDDING] == 2 and ops["aten.zeros.default"] == 0
+    assert ops[EMBEDDING] == 2
+    assert not {"aten.zeros.default", "aten.zeros_like.default", "aten.new_zeros.default"} & set(ops)
     (row,) = [n for n in rewritten.graph.nodes if n.name.endswith("_row_0")]
     assert tuple(row.meta["val"].shape) == (1, 1, 16)
     assert torch.equal(rewritten.constants[row.target][0, 0], module.type_table.weight[0])
@@ -124,6 +138,20 @@ def test_the_graph_adds_a_row_constant():
     for length in (2, 17, 32):
         (ids,) = token_ids(length)
         assert torch.equal(rewritten.module()(ids), program.module()(ids))
+
+
+def test_token_types_shaped_like_the_ids_lower_as_the_buffers_do():
+    """`zeros_like(ids)` reads the ids' shape, never their values: the same decisions,
+    delegates and ops outside as BERT's buffer, static and dynamic."""
+    written = lower_xnnpack_pair(
+        functools.partial(Embeddings, types=_zeros_like), token_ids, TOKEN_LENGTH
+    )
+    for ours, buffers in ((written.static, _pair().static), (written.dynamic, _pair().dynamic)):
+        assert ours.program.delegates() == buffers.program.delegates() == 1
+        assert ours.program.ops_outside() == buffers.program.ops_outside()
+        applied = [d.where for d in ours.decisions if d.fold == FOLD and d.applied]
+        assert applied == ["embedding_1"]
+    assert_dynamic_matches_eager(written)
 
 
 CASES = {

@@ -189,3 +189,70 @@ def test_generated_frame_counts_are_each_checked_once(convs, low, span):
     assert [len(value) for _, value in found] == frames
     for at, value in found:
         assert torch.equal(value, torch.arange(_chain(next(iter(at.values())), convs)) * 2)
+
+
+# fills that read an operand's shape (and dtype), never its values: the tensor's shape
+FILLS = {
+    "zeros_like": lambda x: torch.zeros_like(x),
+    "ones_like": lambda x: torch.ones_like(x, dtype=torch.bool),
+    "full_like": lambda x: torch.full_like(x, 7),
+    "new_full": lambda x: x.new_full((2, x.shape[1]), 3),
+    "new_ones": lambda x: x.new_ones(x.shape),
+}
+
+
+class Filled(torch.nn.Module):
+    def __init__(self, fill, offset: int = 0):
+        super().__init__()
+        self.fill, self.offset = fill, offset
+
+    def forward(self, ids):
+        return self.fill(ids + self.offset if self.offset else ids) * 2
+
+
+def _filled(fill, dynamic: bool, offset: int = 0):
+    ids = torch.randint(0, 9, (1, 5))
+    shapes = ({1: torch.export.Dim("length", min=2, max=9)},) if dynamic else None
+    program = torch.export.export(Filled(fill, offset), (ids,), dynamic_shapes=shapes)
+    (out,) = [n for n in program.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    return program, out
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None)
+@given(
+    name=st.sampled_from(sorted(FILLS)),
+    dynamic=st.booleans(),
+    offset=st.sampled_from([0, 4]),
+)
+def test_a_fill_shaped_like_a_user_input_is_known_at_every_size(name, dynamic, offset):
+    """A fill reads its operand's shape, whatever computed that operand from the user's
+    values: its value is the fill of that shape, at each size the bounds allow."""
+    program, out = _filled(FILLS[name], dynamic, offset)
+    assert not reads_user_values(out, program)
+    found = known_at_every_size(program, out, state_facts(program))
+    lengths = range(2, 10) if dynamic else (5,)
+    assert [at.get(next(iter(at), None), 5) for at, _ in found] == list(lengths)
+    for (_, value), length in zip(found, lengths, strict=True):
+        ids = torch.randint(0, 9, (1, length))
+        assert torch.equal(value, Filled(FILLS[name], offset)(ids))
+
+
+def test_a_fill_whose_operand_is_also_read_for_its_values_is_not_known():
+    class FillAndValues(torch.nn.Module):
+        def forward(self, ids):
+            return torch.zeros_like(ids) + ids
+
+    ids = torch.randint(0, 9, (1, 5))
+    program = torch.export.export(FillAndValues(), (ids,))
+    (add,) = [n for n in program.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+    assert reads_user_values(add, program)
+    assert known_at_every_size(program, add, state_facts(program)) == Declined(
+        "`add` reads the values of user input ids"
+    )
+
+
+def test_an_uninitialized_tensor_like_a_user_input_is_not_a_fill():
+    """`empty_like` then `fill_` is left to the ops: `empty_like`'s values are not
+    defined, so it is not counted as reading the shape alone."""
+    program, out = _filled(lambda x: torch.empty_like(x).fill_(3), dynamic=False)
+    assert reads_user_values(out, program)
