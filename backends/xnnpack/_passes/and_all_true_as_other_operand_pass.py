@@ -16,10 +16,10 @@ True & b = b elementwise, so z is b broadcast to z's shape, and an expand of z t
 is an expand of b to S: b broadcasts to z, so each of its dims is 1 or z's, which
 S then gives (a -1 keeps the input's own size, so there b's must be z's).
 
-Why: transformers' masks (`sdpa_mask`) `&` the padding mask with `q_idx >= 0` and a
-`new_ones`, both True, computed from `arange(s)`: a static export folds them into a
-constant, a dynamic one keeps `arange`, `add`, three unsqueezes and the `ge`, none of
-which XNNPACK runs. a is checked at every size the export's bounds allow (or once,
+Why: a padding mask `&` a mask built True from the length (transformers' `sdpa_mask`
+`&`s it with `q_idx >= 0` and a `new_ones`; a user with `ones(s, 1, dtype=bool)`): a
+static export folds the True operand into a constant, a dynamic one keeps its ops
+(`arange`, `add`, unsqueezes, `ge`), none of which XNNPACK runs. a is checked at every size the export's bounds allow (or once,
 when it reads no size), which is exact.
 
 Left alone: an `&` of two known values (constant propagation folds it, or the `&`

@@ -14,11 +14,11 @@ mask True everywhere keeps them all: SDPA's scores, softmax and output are those
 no mask (its decomposition adds where(m, 0, -inf), which changes at most a -0.0
 score into +0.0: the same exponential).
 
-Why: transformers' `sdpa_mask` for an encoder called without a padding mask (a
-wav2vec2 on raw audio) builds `arange(s) >= 0` expanded to [1, 1, s, s]: True at
-every length, yet built at runtime from the length, on integer and boolean ops
-XNNPACK does not take, and turned into a float mask per layer outside the
-delegates.
+Why: a mask True at every length is built at runtime from the length, on integer and
+boolean ops XNNPACK does not take, and turned into a float mask per layer outside the
+delegates: transformers' `sdpa_mask` for an encoder called without a padding mask (a
+wav2vec2 on raw audio) builds `arange(s) >= 0` expanded to [1, 1, s, s]; a user's
+`ones(s, s, dtype=bool)`, `ones_like(..)` or `new_ones(..)` say the same.
 
 Declines: a mask not known when lowering at every size (it reads a user input's
 values, or its sizes are too many to check), or one that is False somewhere (named

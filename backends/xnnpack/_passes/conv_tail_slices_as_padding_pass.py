@@ -16,8 +16,9 @@ extent, whatever lies after it: the last k outputs are the only ones that read t
 last k * s padded positions, so padding k * s fewer at the end drops exactly them,
 and every other output computes from the same values.
 
-Why: wav2vec2's positional conv (an even kernel, transformers' `SamePad`) pads both
-ends and drops its last output. On a dynamic time axis that slice ends at a symbolic
+Why: causal convolutions pad both ends and cut the tail (`conv(x)[..., :-k]`), and
+wav2vec2's positional conv (an even kernel, transformers' `SamePad`) drops its last
+output. On a dynamic time axis that slice ends at a symbolic
 position, which XNNPACK's slice cannot take: the encoder splits around it. The pad
 joins the delegate (XNNPACK pads float32).
 

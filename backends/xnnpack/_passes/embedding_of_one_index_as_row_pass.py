@@ -16,10 +16,12 @@ e[p] = W[i[p]] = W[v] for every position p, and each reader broadcasts c to e's 
 (o has it), so it reads the same values. Each element of i is checked against v at
 every size the export's bounds allow (or once, when it reads no size), which is exact.
 
-Why: BERT-like embeddings (transformers' `BertEmbeddings`) read their token types
-from a buffer of zeros, `token_type_ids[:, :s]` expanded: a static export folds the
-lookup into a constant, a dynamic one keeps the buffer's slice, a gather and the
-embedding, which XNNPACK has not, outside the delegate; the row joins the add.
+Why: token types are one index at every length however they are written: BERT-like
+embeddings (transformers' `BertEmbeddings`) read a buffer of zeros, `token_type_ids[:,
+:s]` expanded; a user writes `zeros_like(ids)` or `ids.new_zeros(...)`, fills that read
+the ids' shape alone (`graph_walk.value_inputs`). A dynamic export keeps the slice or
+fill, a gather and the embedding, which XNNPACK has not, outside the delegate; the row
+joins the add.
 
 Left alone: an embedding of a user input's values (the token lookup). Declines: W or
 i not known when lowering (a written buffer, a buffer not judged across methods),

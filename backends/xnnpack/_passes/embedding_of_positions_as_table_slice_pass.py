@@ -15,10 +15,10 @@ Result:  e = view(slice(W, 0, 0, n), [1, .., 1, n, H])    n read by a size node 
 e[.., p, :] = W[i[.., p]] = W[p] for p < n: the first n rows of W, in order. i is
 checked against `arange(n)` at every size the export's bounds allow, which is exact.
 
-Why: transformers' absolute position embeddings (BERT's) look up `position_ids[:, :s]`,
-a buffer of 0..max-1 sliced to the sequence length. A static export folds the lookup
-into a constant; a dynamic one keeps the buffer's slice and a gather, which XNNPACK
-has not. The table's slice still stays outside (XNNPACK's slice infers only whole
+Why: absolute position embeddings look up 0..s-1, as BERT's `position_ids[:, :s]` (a
+buffer of 0..max-1 sliced to the length) or GPT-2's `arange(s)`. A static export folds
+the lookup into a constant; a dynamic one keeps the positions and a gather, which
+XNNPACK has not. The table's slice still stays outside (XNNPACK's slice infers only whole
 dims), but it is one contiguous copy, no lookup, and the view joins the delegate.
 Only then is it rewritten: with n static, constant propagation folds the lookup.
 

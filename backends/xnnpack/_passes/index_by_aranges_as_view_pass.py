@@ -18,9 +18,10 @@ place in row-major order: a view. Each i_d is checked against `arange(x.shape[d]
 along a_d at every size the export's bounds allow (or once, when it reads no
 size), which is exact.
 
-Why: transformers' masks (`sdpa_mask`, its vmapped mask functions) read a [b, s]
-padding mask as `mask[arange(b)[:, None, None, None], arange(s)[None, None, None,
-:]]`. Constant propagation folds those index tensors on a static export; on a
+Why: a grid of aranges is how vmapped code reads every element: transformers' masks
+(`sdpa_mask`, its vmapped mask functions) read a [b, s] padding mask as
+`mask[arange(b)[:, None, None, None], arange(s)[None, None, None, :]]`, a user's
+`x[arange(b)[:, None], arange(s)]` alike. Constant propagation folds those index tensors on a static export; on a
 dynamic one each is an `arange(s)` chain of five ops. Either way the index, a
 gather XNNPACK has not, stays outside the delegates with them; the view and its
 size reads are all that remain.

@@ -77,6 +77,14 @@ def _at_or_after(first: int):
     return lambda _, t: torch.arange(t)[:, None] >= first
 
 
+def _ones(module, t):
+    return torch.ones(t, 1, dtype=torch.bool)
+
+
+def _new_ones(module, t):
+    return module.flag.new_ones(t, 1)  # the buffer's dtype, not its values
+
+
 def _written_flag(module, t):
     module.flag.fill_(True)
     return module.flag
@@ -96,16 +104,24 @@ CASES = {
 }
 
 
-def _export(case: str) -> torch.export.ExportedProgram:
+SAME_TRUE = {"applies": _at_or_after(0), "ones": _ones, "new_ones": _new_ones}
+
+
+def _export(case: str, positions=None) -> torch.export.ExportedProgram:
+    """`case`'s module (its all-True operand spelled by `positions` when given)."""
     length = torch.export.Dim("length", min=2, max=16)
     inputs = (torch.randn(2, 6, 6), torch.ones(1, 6, dtype=torch.long))
+    case_positions, *rest = CASES[case]
     return torch.export.export(
-        Anded(*CASES[case]), inputs, dynamic_shapes=({1: length, 2: length}, {1: length})
+        Anded(positions or case_positions, *rest),
+        inputs,
+        dynamic_shapes=({1: length, 2: length}, {1: length}),
     )
 
 
-def test_the_graph_reads_the_other_operand():
-    program = _export("applies")
+@pytest.mark.parametrize("spelling", SAME_TRUE)
+def test_the_graph_reads_the_other_operand(spelling):
+    program = _export("applies", SAME_TRUE[spelling])
     with collect_decisions() as decisions:
         rewritten = ands_all_true_as_other_operand(program)
     ops = Counter(str(n.target) for n in rewritten.graph.nodes if n.op == "call_function")

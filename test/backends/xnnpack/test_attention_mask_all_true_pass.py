@@ -30,7 +30,8 @@ SDPA = torch.ops.aten.scaled_dot_product_attention.default
 class Encoder(torch.nn.Module):
     """Attention over [1, s, 16] with the mask `kind` gives: "all_true" is transformers'
     `arange(s) >= 0` expanded (True at every length), "causal" is False above the
-    diagonal, "ones" a constant all-True mask, "user" the caller's."""
+    diagonal, "ones" a constant all-True mask ("ones_like", "new_ones": filled at the
+    length), "user" the caller's."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -45,6 +46,10 @@ class Encoder(torch.nn.Module):
             return positions[None, :] <= positions[:, None]
         if self.kind == "ones":
             return torch.ones(length, length, dtype=torch.bool)
+        if self.kind == "ones_like":  # a fill shaped like the positions' outer product
+            return torch.ones_like(positions[:, None] * positions, dtype=torch.bool)
+        if self.kind == "new_ones":
+            return positions.new_ones((1, 1, length, length), dtype=torch.bool)
         return user
 
     def forward(self, x, user=None):
@@ -91,6 +96,19 @@ def test_a_users_mask_stays_and_says_why():
     program, rewritten, decisions = _rewritten("user", inputs)
     assert rewritten is program
     assert decisions == [(False, "`user` reads the values of user input user")]
+
+
+@pytest.mark.parametrize("kind", ["all_true", "ones", "ones_like", "new_ones"])
+def test_every_spelling_of_an_all_true_mask_is_dropped_at_every_length(kind):
+    tokens = torch.export.Dim("tokens", min=2, max=9)
+    inputs = (torch.randn(1, 6, 16),)
+    program, rewritten, decisions = _rewritten(kind, inputs, dynamic_shapes=({1: tokens},))
+    ((applied, detail),) = decisions
+    assert applied and detail.endswith("is True everywhere at each of its 8 sizes"), detail
+    assert _masks(program) and not _masks(rewritten)
+    for length in (2, 5, 9):
+        x = torch.randn(1, length, 16)
+        torch.testing.assert_close(rewritten.module()(x), program.module()(x))
 
 
 @functools.cache

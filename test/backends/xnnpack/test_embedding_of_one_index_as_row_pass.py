@@ -127,7 +127,9 @@ def test_the_graph_adds_a_row_constant(spelling):
         rewritten = embeddings_of_one_index_as_rows(program)
     ops = Counter(str(n.target) for n in rewritten.graph.nodes if n.op == "call_function")
     assert ops[EMBEDDING] == 2
-    assert not {"aten.zeros.default", "aten.zeros_like.default", "aten.new_zeros.default"} & set(ops)
+    assert not {"aten.zeros.default", "aten.zeros_like.default", "aten.new_zeros.default"} & set(
+        ops
+    )
     (row,) = [n for n in rewritten.graph.nodes if n.name.endswith("_row_0")]
     assert tuple(row.meta["val"].shape) == (1, 1, 16)
     assert torch.equal(rewritten.constants[row.target][0, 0], module.type_table.weight[0])

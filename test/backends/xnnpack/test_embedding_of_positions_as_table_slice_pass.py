@@ -4,8 +4,9 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""BERT's position lookup, `position_ids[:, :s]` of a buffer 0..max-1, is the table's
-first s rows on a dynamic sequence: one slice outside, no lookup."""
+"""A lookup of the positions 0..s-1 is the table's first s rows on a dynamic sequence,
+however the user wrote them (BERT's `position_ids[:, :s]` of a buffer 0..max-1, GPT-2's
+`arange(s)`, an arange expanded over the batch): one slice outside, no lookup."""
 
 from __future__ import annotations
 
@@ -33,6 +34,14 @@ EMBEDDING = "aten.embedding.default"
 
 def _read(module, s):
     return module.position_ids[:, :s]
+
+
+def _arange(module, s):
+    return torch.arange(s)
+
+
+def _arange_over_batch(module, s):
+    return torch.arange(0, s, dtype=torch.long).unsqueeze(0).expand(1, -1)
 
 
 def _written(module, s):
@@ -80,8 +89,12 @@ def _export(module: torch.nn.Module, marked: bool = True) -> torch.export.Export
     return program
 
 
-def test_the_graph_slices_the_table():
-    program = _export(Positions())
+SAME_POSITIONS = {"buffer": _read, "arange": _arange, "arange_over_batch": _arange_over_batch}
+
+
+@pytest.mark.parametrize("spelling", SAME_POSITIONS)
+def test_the_graph_slices_the_table(spelling):
+    program = _export(Positions(positions=SAME_POSITIONS[spelling]))
     with collect_decisions() as decisions:
         rewritten = embeddings_of_positions_as_table_slices(program)
     ops = Counter(str(n.target) for n in rewritten.graph.nodes if n.op == "call_function")
@@ -91,6 +104,18 @@ def test_the_graph_slices_the_table():
     for length in (2, 17, 32):
         (ids,) = token_ids(length)
         assert torch.equal(rewritten.module()(ids), program.module()(ids))
+
+
+def test_arange_positions_lower_as_the_buffers_do():
+    """GPT-2's `arange(s)` positions: the same decisions and ops outside as BERT's
+    buffer on a dynamic sequence, and eager's values at each length."""
+    written = lower_xnnpack_pair(
+        functools.partial(Positions, positions=_arange), token_ids, TOKEN_LENGTH
+    )
+    assert written.dynamic.program.ops_outside() == _pair().dynamic.program.ops_outside()
+    assert written.dynamic.program.delegates() == _pair().dynamic.program.delegates()
+    assert [d.applied for d in written.dynamic.decisions if d.fold == FOLD] == [True]
+    assert_dynamic_matches_eager(written)
 
 
 CASES = {

@@ -4,8 +4,9 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""A padding mask read through `mask[arange(b)[..], arange(s)[..]]` (transformers'
-`sdpa_mask`) is a view of the mask, static or dynamic, at every size."""
+"""A tensor read through an index of coordinate aranges, `x[arange(b)[..], arange(s)[..]]`
+(transformers' `sdpa_mask` reads its padding mask so; a user's own grid alike), is a view
+of it, static or dynamic, at every size."""
 
 from __future__ import annotations
 
@@ -110,6 +111,27 @@ PICKS = {
         torch.zeros(1, 1, dtype=torch.long), _keys(x.shape[1]).flip(1)
     ],
 }
+
+
+def test_a_users_own_grid_of_aranges_is_a_view():
+    """`x[arange(b)[:, None], arange(s)]` on a [b, s] tensor, dims read from the input:
+    the same identity as transformers' four-axis mask index."""
+    length = torch.export.Dim("length", min=2, max=16)
+    grid = Indexed(
+        lambda x, e: x[torch.arange(x.shape[0])[:, None], torch.arange(x.shape[1])][None]
+    )
+    x, extra = torch.randn(3, 6), torch.arange(6)[None]
+    program = torch.export.export(
+        grid.eval(), (x, extra), dynamic_shapes=({1: length}, {1: length})
+    )
+    with collect_decisions() as decisions:
+        rewritten = index_by_aranges_as_view(program)
+    ops = Counter(str(n.target) for n in rewritten.graph.nodes if n.op == "call_function")
+    assert ops[INDEX] == 0 and ops["aten.arange.default"] == 0, ops
+    assert [d.applied for d in decisions if d.fold == FOLD] == [True]
+    for columns in (2, 9, 16):
+        x, extra = torch.randn(3, columns), torch.arange(columns)[None]
+        assert torch.equal(rewritten.module()(x, extra)[0], program.module()(x, extra)[0])
 
 
 @pytest.mark.parametrize("reason", PICKS)
