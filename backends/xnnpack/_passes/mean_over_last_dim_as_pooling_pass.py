@@ -195,7 +195,7 @@ def rewrite_as_pooling(match: MeanOverLastDim) -> None:
         back = graph.call_function(aten.view.default, (node, back_shape))
     back.meta = {**node.meta, "val": before}
     node.replace_all_uses_with(back, delete_user_cb=lambda user: user is not back)
-    rows, width = node_value(flat).shape[0], node_value(flat).shape[-1]
+    rows, width = node_value(flat).shape[1], node_value(flat).shape[-1]  # [1, N, 1, C]
     record_applied(FOLD, node.name, f"mean over the last {width} values of {rows} rows")
 
 
