@@ -12,7 +12,8 @@
 width 32, 4 heads) with a [1, 1, T, T] mask of each kind (a `tril` of the length, a
 GPT-2-style boolean buffer sliced, additive -inf and finfo.min masks, `is_causal`, a
 runtime boolean or additive mask), batch 2, exported static (T = 16) and with a
-dynamic T (2..23, run at 16), random inputs, one thread.
+dynamic T (2..23, run at 16), random inputs, one thread: the registry's
+`masked_attention_<kind>_static` / `_dynamic` (`etfold.harness.bench_models`).
 
 Stock: upstream `XnnpackPartitioner` through upstream's entry point. etfold: etfold's
 partitioner and entry point. Columns: delegates / ops outside, median ms per call, and
@@ -32,11 +33,10 @@ from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpoo
 
 from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.exir import to_edge_transform_and_lower
-from etfold.harness.masked_attention import MASKS, MaskedAttention, masked_inputs, masked_length
+from etfold.harness.bench_models import bench_model, shaped
+from etfold.harness.masked_attention import MASKS
 from etfold.harness.timing import time_interleaved
 from etfold.harness.xnnpack_runner import assert_close, eager_outputs, lower_xnnpack
-
-BATCH, LENGTH = 2, 16
 
 
 def lowered(module: torch.nn.Module, inputs: tuple, dynamic_shapes) -> dict:
@@ -52,11 +52,9 @@ def lowered(module: torch.nn.Module, inputs: tuple, dynamic_shapes) -> dict:
 
 
 def row(kind: str, dynamic: bool, budget: float) -> None:
-    torch.manual_seed(0)
-    module = MaskedAttention(kind).eval()
-    length = masked_length(kind, "11TT")
-    inputs = masked_inputs(kind, "11TT", BATCH)(LENGTH)
-    programs = lowered(module, inputs, length.dynamic_shapes() if dynamic else None)
+    model = bench_model(shaped(f"masked_attention_{kind}", dynamic))
+    module, inputs = model.build()
+    programs = lowered(module, inputs, model.dynamic_shapes() if dynamic else None)
     expected = eager_outputs(module, inputs)
     for program in programs.values():
         assert_close(program.run(*inputs), expected, atol=1e-5)

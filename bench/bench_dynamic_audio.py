@@ -30,6 +30,8 @@ Printed:
 `--held-out`: transformers' other encoders of this kind, tiny configs of the same
 shape, static and dynamic: delegates / ops outside, and the dynamic program's errors
 (`--only-held-out`: those named, and nothing else).
+The programs are the registry's (`etfold.harness.bench_models`): `wav2vec2_short_convs_*`
+and `held_out_<model class>_*`, each `_static` and `_dynamic`.
 """
 
 from __future__ import annotations
@@ -46,69 +48,36 @@ import torch
 from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
     XnnpackPartitioner as StockPartitioner,
 )
-from torch.export import Dim
 
 from etfold.backends.xnnpack import XnnpackPartitioner
 from etfold.exir import to_edge_transform_and_lower
+from etfold.harness.bench_models import AUDIO_SAMPLES as TRACED
+from etfold.harness.bench_models import HELD_OUT_AUDIO as HELD_OUT
+from etfold.harness.bench_models import BenchModel, audio, bench_model, shaped
 from etfold.harness.llama_export import ops_outside, pte_contents
-from etfold.harness.sequence_models import SHORT_FEATURE_CONVS, LastHiddenState, tiny_wav2vec2
 from etfold.harness.timing import time_interleaved
 from etfold.harness.xnnpack_runner import eager_outputs, lower_xnnpack, max_abs_error
 
-TRACED, LENGTHS = 16000, (4000, 18001, 32000)
-SAMPLES = Dim.DYNAMIC(min=4000, max=32000)
-HELD_OUT = {  # model class: (config class, what differs from wav2vec2's config)
-    "HubertModel": ("HubertConfig", {}),
-    "WavLMModel": ("WavLMConfig", {"num_buckets": 32, "max_bucket_distance": 80}),
-    "Data2VecAudioModel": ("Data2VecAudioConfig", {"num_conv_pos_embeddings": 5}),
-    "UniSpeechModel": ("UniSpeechConfig", {}),
-    "UniSpeechSatModel": ("UniSpeechSatConfig", {}),
-    "SEWModel": ("SEWConfig", {"squeeze_factor": 2}),
-    "SEWDModel": ("SEWDConfig", {"squeeze_factor": 2}),
-    "Wav2Vec2ConformerModel": ("Wav2Vec2ConformerConfig", {"position_embeddings_type": "rotary"}),
-}
+LENGTHS = (4000, 18001, 32000)
+SHAPES = ("static", "dynamic")
 
 
-def audio(samples: int) -> tuple[torch.Tensor]:
-    return (torch.randn(1, samples, generator=torch.Generator().manual_seed(samples)),)
+def registered(name: str) -> dict[str, BenchModel]:
+    """shapes -> the registry's program `name` exported with them."""
+    return {shapes: bench_model(shaped(name, shapes == "dynamic")) for shapes in SHAPES}
 
 
-def held_out(name: str) -> torch.nn.Module:
-    import transformers
-
-    config_name, differs = HELD_OUT[name]
-    shape = dict(
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=512,
-        conv_dim=(64, 64, 64),
-        conv_kernel=(10, 3, 3),
-        conv_stride=(5, 2, 2),
-        num_conv_pos_embeddings=16,
-        num_conv_pos_embedding_groups=4,
-    )
-    config = getattr(transformers, config_name)(**{**shape, **differs})
-    torch.manual_seed(0)
-    for attention in ("sdpa", "eager"):  # eager where transformers has no SDPA for it
-        config._attn_implementation = attention
-        try:
-            return LastHiddenState(getattr(transformers, name)(config)).eval()
-        except ValueError:
-            continue
-    raise ValueError(f"{name} builds with no attention implementation")
-
-
-def lowered(module, shapes: str, partitioner: str):
-    dynamic = ({1: SAMPLES},) if shapes == "dynamic" else None
+def lowered(module, model: BenchModel, partitioner: str):
+    dynamic = model.dynamic_shapes() if model.dynamic_shapes else None
     program = torch.export.export(module, audio(TRACED), dynamic_shapes=dynamic)
+    kept = partitioner in model.bounds_kept
     if partitioner == "stock":
-        return lower_xnnpack(program, [StockPartitioner()])
+        return lower_xnnpack(program, [StockPartitioner()], keep_declared_bounds=kept)
     return lower_xnnpack(
         program,
         [XnnpackPartitioner()],
         lower=to_edge_transform_and_lower,
-        keep_declared_bounds=True,
+        keep_declared_bounds=kept,
     )
 
 
@@ -162,13 +131,13 @@ def etdump_by_kind(buffer: bytes, runs: int, workdir: Path) -> tuple[dict[str, f
 
 
 def wav2vec2_rows(args) -> None:
-    torch.manual_seed(0)
-    module = tiny_wav2vec2(feature_convs=SHORT_FEATURE_CONVS)
+    models = registered("wav2vec2_short_convs")
+    module, _ = models["static"].build()
     programs = {}
     for partitioner in ("stock", "etfold"):
-        for shapes in ("static", "dynamic"):
+        for shapes in SHAPES:
             started = time.perf_counter()
-            program = lowered(module, shapes, partitioner)
+            program = lowered(module, models[shapes], partitioner)
             seconds = time.perf_counter() - started
             outside, counted = _outside(program)
             lengths = (TRACED,) if shapes == "static" else LENGTHS
@@ -205,11 +174,12 @@ def wav2vec2_rows(args) -> None:
 def held_out_rows(names) -> None:
     print("\n== held out: delegates / ops outside (kernels in the .pte), static -> dynamic")
     for name in names:
-        module = held_out(name)
+        models = registered(f"held_out_{name}")
+        module, _ = models["static"].build()
         said = []
-        for shapes in ("static", "dynamic"):
+        for shapes in SHAPES:
             try:
-                program = lowered(module, shapes, "etfold")
+                program = lowered(module, models[shapes], "etfold")
             except Exception as error:  # a failure is a row of the table
                 said.append(f"{shapes} fails: {type(error).__name__}: {str(error)[:100]}")
                 continue

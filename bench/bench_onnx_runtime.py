@@ -12,7 +12,7 @@
 Needs `pip install 'etfold[peers]'` (onnxruntime, onnx, onnxscript).
 
 Rows, each static and with a dynamic length (`torch.export.Dim` bounds), random
-weights from configs in code:
+weights from configs in code (each row names its program in `etfold.harness.bench_models`):
   bert         HF BertModel, hidden 128, 2 layers, 4 heads (bench_llm_export's);
                64 tokens, dynamic 8..128
   wav2vec2     HF Wav2Vec2Model, hidden 128, 2 layers (bench_llm_export's); 16,000 samples;
@@ -70,80 +70,42 @@ BEHIND = 0.97  # ORT/etfold below this: profile where etfold's time goes
 class Row:
     name: str
     shapes: str  # static, dynamic, dynamic (samples), ...
-    build: Callable[[], tuple[torch.nn.Module, tuple]]
-    dynamic_shapes: object = None  # torch.export's argument (None: static)
+    model: str  # the registry's program (`etfold.harness.bench_models`)
     declared: str = ""  # the bounds, as the table shows them
     profile: bool = False  # profile even when etfold is not behind ORT
 
+    def build(self) -> tuple[torch.nn.Module, tuple]:
+        return bench_models.bench_model(self.model).build()
 
-def _hf(name: str):
-    """bench_llm_export's HF models (module, static inputs, dynamic Dim), built once."""
-    if name not in _HF:
-        _HF.update(bench_models.hf_models())
-    return _HF[name]
-
-
-_HF: dict = {}
-
-
-def _hifigan():
-    return bench_models.weight_fold_models(64)["hifigan"]()
-
-
-def _mobilenet():
-    from etfold.demo_models.arm_mlperf_tiny import MOBILENET_V1_025
-
-    return MOBILENET_V1_025[0]()
+    def dynamic_shapes(self):
+        """torch.export's argument (None: static)."""
+        shapes = bench_models.bench_model(self.model).dynamic_shapes
+        return shapes() if shapes else None
 
 
 def rows() -> list[Row]:
-    from torch.export import Dim
-
-    def hf(name):
-        return lambda: _hf(name)[:2]
-
-    def seq(dim):
-        return ({1: dim},)
-
-    def bert_base():
-        return bench_models.bert_base(4)
-
-    square = Dim("side", min=64, max=128)
     return [
-        Row("bert", "static", hf("bert")),
-        Row("bert", "dynamic", hf("bert"), seq(Dim("tokens", min=8, max=128)), "8..128 tokens"),
-        Row("wav2vec2", "static", hf("wav2vec2")),
+        Row("bert", "static", "hf_bert_static"),
+        Row("bert", "dynamic", "hf_bert_dynamic", "8..128 tokens"),
+        Row("wav2vec2", "static", "hf_wav2vec2_static"),
+        Row("wav2vec2", "dynamic", "hf_wav2vec2_dynamic", "13..100 frames"),
         Row(
             "wav2vec2",
             "dynamic",
-            hf("wav2vec2"),
-            seq(320 * Dim("frames", min=13, max=100)),
-            "13..100 frames",
-        ),
-        Row(
-            "wav2vec2",
-            "dynamic",
-            hf("wav2vec2"),
-            seq(Dim.DYNAMIC(min=4000, max=32000)),
+            "hf_wav2vec2_dynamic_samples",
             "4,000..32,000 samples",
             profile=True,  # far behind its static twin today: where its time goes
         ),
-        Row("llama", "static", hf("llama")),
-        Row("llama", "dynamic", hf("llama"), seq(Dim("tokens", min=4, max=64)), "4..64 tokens"),
-        Row("bert_base", "static", bert_base),
-        Row("bert_base", "dynamic", bert_base, seq(Dim("tokens", min=8, max=256)), "8..256 tokens"),
-        Row("hifigan", "static", _hifigan),
-        Row("hifigan", "dynamic", _hifigan, seq(Dim("frames", min=16, max=128)), "16..128 frames"),
-        Row("mobilenet", "static", _mobilenet),
-        Row("mobilenet", "dynamic", _mobilenet, ({2: square, 3: square},), "64..128 px square"),
-        Row("lstm", "static", lambda: bench_models.recurrent("lstm")),
-        Row(
-            "lstm",
-            "dynamic",
-            lambda: bench_models.recurrent("lstm"),
-            seq(Dim("steps", min=8, max=64)),
-            "8..64 steps",
-        ),
+        Row("llama", "static", "hf_llama_static"),
+        Row("llama", "dynamic", "hf_llama_dynamic", "4..64 tokens"),
+        Row("bert_base", "static", "bert_base_4_layers_static"),
+        Row("bert_base", "dynamic", "bert_base_4_layers_dynamic", "8..256 tokens"),
+        Row("hifigan", "static", "hifigan"),
+        Row("hifigan", "dynamic", "hifigan_dynamic", "16..128 frames"),
+        Row("mobilenet", "static", "mobilenet_v1_025_static"),
+        Row("mobilenet", "dynamic", "mobilenet_v1_025_dynamic", "64..128 px square"),
+        Row("lstm", "static", "lstm"),
+        Row("lstm", "dynamic", "lstm_dynamic", "8..64 steps"),
     ]
 
 
@@ -218,11 +180,12 @@ def lower_row(row: Row) -> tuple[dict[str, Side], tuple, list]:
     from etfold.harness.xnnpack_runner import eager_outputs, max_abs_error
 
     module, inputs = row.build()
+    dynamic_shapes = row.dynamic_shapes()
     expected = eager_outputs(module, inputs)
     sides: dict[str, Side] = {}
     for flavour in ("stock", "etfold", "ort"):
         try:
-            program = torch.export.export(module, inputs, dynamic_shapes=row.dynamic_shapes)
+            program = torch.export.export(module, inputs, dynamic_shapes=dynamic_shapes)
         except Exception as error:
             sides[flavour] = Side(failure=f"torch.export: {_why(error)}")
             continue

@@ -7,20 +7,25 @@
 """The models bench/*.py lowers, in one place the benchmarks and the tests both import.
 
 The builders here are the benchmarks' own (random weights, seeded; configs in
-code): bench scripts import them, so a test that lowers `bench_models()`
-lowers what the benchmarks lower. Each `BenchModel` names one program as a
-benchmark lowers it by default (its size, dtype and partitioner arguments; the
-production-width decoders at the two layers of `bench_decoders.py --layers 2`)
-and the flavours it lowers it with. The report models a benchmark lowers the
-way `etfold report` does (bench_dtype_converts.py, bench_dyt.py) are the
-report's, listed in `REPORT_MODELS_LOWERED_BY_BENCH`; bench_arm_npu.py lowers
-the Arm report models for the Ethos-U NPUs, which the report also does for its
-cycle estimates. bench_constant_prop.py runs one pass on an Edge program and
-lowers nothing.
+code): bench scripts build from them, so a test that lowers `bench_models()`
+lowers what the benchmarks lower. Each `BenchModel` names one program a
+benchmark lowers, by default or when a flag picks it (bench_attention_masks.py
+`--kinds finfo_min`, bench_dynamic_audio.py `--held-out`), at its default size,
+dtype and partitioner arguments (the production-width decoders at the two layers
+of `bench_decoders.py --layers 2`), and the flavours it lowers it with. A program
+two benchmarks lower is registered once, under the first (bench_onnx_runtime.py
+builds its bert, wav2vec2, llama, static hifigan and static lstm rows from
+bench_llm_export's, bench_weight_fold's and bench_recurrent's entries). The
+report models a benchmark lowers the way `etfold report` does
+(bench_dtype_converts.py, bench_dyt.py) are the report's, listed in
+`REPORT_MODELS_LOWERED_BY_BENCH`. test/etfold/test_bench_models_cover_bench.py
+names the benchmarks that lower nothing with XNNPACK, and fails when one that
+does has no entry here.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +42,9 @@ class BenchModel:
     """A program a benchmark lowers: `build()` gives the module and its example inputs.
 
     `flavours`: "stock" (upstream's entry point and XnnpackPartitioner) and/or
-    "etfold" (etfold's); `dynamic_shapes()` gives the export's dynamic shapes
-    when the benchmark exports with them.
+    "etfold" (etfold's), those of the benchmark's lowerings that give a program (none:
+    every one it tries fails, and it prints the failure); `dynamic_shapes()` gives the
+    export's dynamic shapes when the benchmark exports with them.
     """
 
     name: str
@@ -48,6 +54,9 @@ class BenchModel:
     flavours: tuple[str, ...] = ("stock", "etfold")
     dynamic_shapes: Callable[[], Any] | None = None
     requires: tuple[str, ...] = ()  # Python modules beyond etfold's core dependencies
+    # the flavours lowered and planned inside `etfold.exir.declared_bounds_kept()`: etfold's
+    # entry point refuses a program declared in samples whose planning would narrow its bounds
+    bounds_kept: tuple[str, ...] = ()
 
 
 # ---- bench_decoders.py: production-shaped transformers models, random weights
@@ -313,14 +322,23 @@ def _conv2d(seed: int = 0) -> Built:
     return weight_norm(torch.nn.Conv2d(64, 128, 3)).eval(), (torch.randn(1, 64, 56, 56),)
 
 
+def hifigan_bench() -> Built:
+    """SpeechT5HifiGan with weight_norm at `HIFIGAN_BENCH`'s config, on 64 frames."""
+    from etfold.demo_models.xnnpack_weight_norm import hifigan
+
+    return hifigan(64, **HIFIGAN_BENCH)
+
+
 def weight_fold_models(frames: int) -> dict[str, Callable[[], Built]]:
-    from etfold.demo_models.xnnpack_weight_norm import hifigan, positional_conv
+    """bench_weight_fold.py's models; `frames` is the positional conv's length (hifigan
+    runs on 64 frames whatever it is)."""
+    from etfold.demo_models.xnnpack_weight_norm import positional_conv
 
     return {
         "pos_conv": lambda: positional_conv(frames),
         "spectral": _spectral,
         "conv2d": _conv2d,
-        "hifigan": lambda: hifigan(64, **HIFIGAN_BENCH),
+        "hifigan": hifigan_bench,
     }
 
 
@@ -373,6 +391,108 @@ def hf_models():
         ),
         "llama": (tiny_llama(torch.float32), (token_ids(1000, 32),), Dim("tokens", min=4, max=64)),
     }
+
+
+# ---- bench_attention_masks.py: attention under each kind of mask users give SDPA
+
+MASK_FORM, MASK_BATCH, MASK_LENGTH = "11TT", 2, 16  # a [1, 1, T, T] mask, batch 2, T = 16
+
+
+def masked_attention(kind: str) -> Built:
+    """`MaskedAttention(kind)` (seeded) and its inputs at `MASK_LENGTH`."""
+    from etfold.harness.masked_attention import MaskedAttention, masked_inputs
+
+    torch.manual_seed(0)
+    module = MaskedAttention(kind, MASK_FORM).eval()
+    return module, masked_inputs(kind, MASK_FORM, MASK_BATCH)(MASK_LENGTH)
+
+
+def masked_attention_length(kind: str):
+    """The dynamic length of the sequence (and of a mask the caller gives): 2..23."""
+    from etfold.harness.masked_attention import masked_length
+
+    return masked_length(kind, MASK_FORM).dynamic_shapes()
+
+
+# ---- bench_dynamic_audio.py: audio encoders declared in samples
+
+AUDIO_SAMPLES = 16000  # the traced length
+HELD_OUT_AUDIO = {  # model class: (config class, what differs from wav2vec2's config)
+    "HubertModel": ("HubertConfig", {}),
+    "WavLMModel": ("WavLMConfig", {"num_buckets": 32, "max_bucket_distance": 80}),
+    "Data2VecAudioModel": ("Data2VecAudioConfig", {"num_conv_pos_embeddings": 5}),
+    "UniSpeechModel": ("UniSpeechConfig", {}),
+    "UniSpeechSatModel": ("UniSpeechSatConfig", {}),
+    "SEWModel": ("SEWConfig", {"squeeze_factor": 2}),
+    "SEWDModel": ("SEWDConfig", {"squeeze_factor": 2}),
+    "Wav2Vec2ConformerModel": ("Wav2Vec2ConformerConfig", {"position_embeddings_type": "rotary"}),
+}
+
+
+def audio(samples: int) -> tuple[torch.Tensor]:
+    """One clip of `samples` samples, drawn with the length as seed."""
+    return (torch.randn(1, samples, generator=torch.Generator().manual_seed(samples)),)
+
+
+def declared_in_samples() -> tuple:
+    """Audio's length as users declare it: `Dim.DYNAMIC`, 4,000..32,000 samples."""
+    return ({1: torch.export.Dim.DYNAMIC(min=4000, max=32000)},)
+
+
+def short_conv_wav2vec2() -> Built:
+    """`tiny_wav2vec2` with three feature convs (a frame per 20 samples), seeded, on 1 s."""
+    from etfold.harness.sequence_models import SHORT_FEATURE_CONVS, tiny_wav2vec2
+
+    torch.manual_seed(0)
+    return tiny_wav2vec2(feature_convs=SHORT_FEATURE_CONVS), audio(AUDIO_SAMPLES)
+
+
+def held_out_audio(name: str) -> Built:
+    """transformers' `name` (another encoder of wav2vec2's kind) at the short-conv wav2vec2's
+    shape, random weights, SDPA attention where transformers has it; on 1 s."""
+    import transformers
+
+    from etfold.harness.sequence_models import LastHiddenState
+
+    config_name, differs = HELD_OUT_AUDIO[name]
+    shape = dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=512,
+        conv_dim=(64, 64, 64),
+        conv_kernel=(10, 3, 3),
+        conv_stride=(5, 2, 2),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+    )
+    config = getattr(transformers, config_name)(**{**shape, **differs})
+    torch.manual_seed(0)
+    for attention in ("sdpa", "eager"):  # eager where transformers has no SDPA for it
+        config._attn_implementation = attention
+        try:
+            module = LastHiddenState(getattr(transformers, name)(config)).eval()
+        except ValueError:
+            continue
+        return module, audio(AUDIO_SAMPLES)
+    raise ValueError(f"{name} builds with no attention implementation")
+
+
+# ---- bench_onnx_runtime.py: the rows not lowered by another benchmark
+
+ORT_BERT_BASE_LAYERS = 4
+
+
+def ort_bert_base() -> Built:
+    """bert-base's width (`bert_base`) at `ORT_BERT_BASE_LAYERS` layers."""
+    return bert_base(ORT_BERT_BASE_LAYERS)
+
+
+def mobilenet_v1_025() -> Built:
+    """ExecuTorch's MLPerf Tiny MobileNetV1-0.25 on one 96x96 image (the report's Arm model)."""
+    from etfold.demo_models.arm_mlperf_tiny import MOBILENET_V1_025
+
+    return MOBILENET_V1_025[0]()
 
 
 # ---- the registry
@@ -435,21 +555,145 @@ def _weight_folds() -> list[BenchModel]:
     ]
 
 
-def _hf(name: str, dynamic: bool) -> BenchModel:
+def shaped(name: str, dynamic: bool) -> str:
+    """The entry's name for `name` exported static or with its dynamic shapes."""
+    return f"{name}_{'dynamic' if dynamic else 'static'}"
+
+
+def _hf_build(name: str) -> Callable[[], Built]:
     def build() -> Built:
         module, inputs, _ = hf_models()[name]
         return module, inputs
 
+    return build
+
+
+# upstream's XNNPACK preprocess refuses wav2vec2 in whole frames ("Output node ... is already
+# in the inputs"): stock has no dynamic program of it, and the benchmark says so
+HF_STOCK_LOWERS_STATIC_ONLY = frozenset({"wav2vec2"})
+
+
+def _hf(name: str, dynamic: bool) -> BenchModel:
     def dynamic_shapes():
         return ({1: hf_models()[name][2]},)
 
+    stock_fails = dynamic and name in HF_STOCK_LOWERS_STATIC_ONLY
     return BenchModel(
-        f"hf_{name}_{'dynamic' if dynamic else 'static'}",
+        shaped(f"hf_{name}", dynamic),
         "bench_llm_export",
-        build,
+        _hf_build(name),
+        flavours=("etfold",) if stock_fails else ("stock", "etfold"),
         dynamic_shapes=dynamic_shapes if dynamic else None,
         requires=("transformers",),
     )
+
+
+def _masked_attention() -> list[BenchModel]:
+    from etfold.harness.masked_attention import MASKS
+
+    return [
+        BenchModel(
+            shaped(f"masked_attention_{kind}", dynamic),
+            "bench_attention_masks",
+            lambda kind=kind: masked_attention(kind),
+            dynamic_shapes=(lambda kind=kind: masked_attention_length(kind)) if dynamic else None,
+        )
+        for kind in MASKS
+        for dynamic in (False, True)
+    ]
+
+
+# held-out encoders no entry point lowers with a dynamic length: upstream's `to_edge`
+# refuses SEW's (its Edge verifier meets an op with no Edge form), stock's and etfold's alike
+HELD_OUT_AUDIO_UNLOWERED_DYNAMIC = frozenset({"SEWModel"})
+
+
+def _audio(name: str, build, flavours: tuple[str, ...], dynamic: bool) -> BenchModel:
+    return BenchModel(
+        shaped(name, dynamic),
+        "bench_dynamic_audio",
+        build,
+        flavours=flavours,
+        dynamic_shapes=declared_in_samples if dynamic else None,
+        requires=("transformers",),
+        bounds_kept=("etfold",),
+    )
+
+
+def _dynamic_audio() -> list[BenchModel]:
+    """The short-conv wav2vec2, stock and etfold; with `--held-out` the other encoders of
+    its kind, etfold's alone; etfold's lowered inside `declared_bounds_kept()`."""
+    both = ("stock", "etfold")
+    models = [_audio("wav2vec2_short_convs", short_conv_wav2vec2, both, d) for d in (False, True)]
+    for model in HELD_OUT_AUDIO:
+        build = functools.partial(held_out_audio, model)
+        models.append(_audio(f"held_out_{model}", build, ("etfold",), False))
+        dynamic = () if model in HELD_OUT_AUDIO_UNLOWERED_DYNAMIC else ("etfold",)
+        models.append(_audio(f"held_out_{model}", build, dynamic, True))
+    return models
+
+
+def _along_axis_1(name: str, low: int, high: int) -> Callable[[], tuple]:
+    return lambda: ({1: torch.export.Dim(name, min=low, max=high)},)
+
+
+def _square_image() -> tuple:
+    side = torch.export.Dim("side", min=64, max=128)
+    return ({2: side, 3: side},)
+
+
+def _onnx_runtime() -> list[BenchModel]:
+    """bench_onnx_runtime.py's rows that no other benchmark lowers (its bert, wav2vec2 and
+    llama rows are bench_llm_export's, its static hifigan bench_weight_fold's, its static
+    lstm bench_recurrent's).
+
+    The ORT bench lowers outside `declared_bounds_kept()`: there etfold's entry point
+    refuses the audio declared in samples and the dynamic hifigan (planning them would
+    narrow a declared bound), so stock's are their only programs; torch.export refuses
+    the LSTM's dynamic steps, so no flavour lowers it."""
+    script, transformers = "bench_onnx_runtime", ("transformers",)
+    return [
+        BenchModel(
+            "hf_wav2vec2_dynamic_samples",
+            script,
+            _hf_build("wav2vec2"),
+            flavours=("stock",),
+            dynamic_shapes=declared_in_samples,
+            requires=transformers,
+        ),
+        BenchModel(
+            shaped(f"bert_base_{ORT_BERT_BASE_LAYERS}_layers", False),
+            script,
+            ort_bert_base,
+            requires=transformers,
+        ),
+        BenchModel(
+            shaped(f"bert_base_{ORT_BERT_BASE_LAYERS}_layers", True),
+            script,
+            ort_bert_base,
+            dynamic_shapes=_along_axis_1("tokens", 8, 256),
+            requires=transformers,
+        ),
+        BenchModel(
+            "hifigan_dynamic",
+            script,
+            hifigan_bench,
+            flavours=("stock",),
+            dynamic_shapes=_along_axis_1("frames", 16, 128),
+            requires=transformers,
+        ),
+        BenchModel("mobilenet_v1_025_static", script, mobilenet_v1_025),
+        BenchModel(
+            "mobilenet_v1_025_dynamic", script, mobilenet_v1_025, dynamic_shapes=_square_image
+        ),
+        BenchModel(
+            "lstm_dynamic",
+            script,
+            lambda: recurrent("lstm"),
+            flavours=(),
+            dynamic_shapes=_along_axis_1("steps", 8, 64),
+        ),
+    ]
 
 
 def bench_models() -> list[BenchModel]:
@@ -483,10 +727,19 @@ def bench_models() -> list[BenchModel]:
             for name in ("bert", "wav2vec2", "llama")
             for dynamic in (False, True)
         ),
+        *_masked_attention(),
+        *_dynamic_audio(),
+        *_onnx_runtime(),
     ]
     names = [m.name for m in models]
     assert len(set(names)) == len(names), names
     return models
+
+
+def bench_model(name: str) -> BenchModel:
+    """The registered program named `name`."""
+    (model,) = (m for m in bench_models() if m.name == name)
+    return model
 
 
 # ---- bench_llm_export.py: ExecuTorch's LLM export on a SmolLM2-135M-shaped checkpoint

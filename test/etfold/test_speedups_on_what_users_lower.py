@@ -75,6 +75,28 @@ HEAVY_BENCH_SCRIPTS = frozenset({"bench_decoders", "bench_llm_export"})
 HEAVY_BENCH_MODELS = frozenset(
     {"lstm", "gru", "lstm_large", "hifigan", "hifigan_hand_folded"}
     | {f"rotary_8_layers_T{tokens}" for tokens in (32, 1)}
+    | {"hf_wav2vec2_dynamic_samples", "hifigan_dynamic", "mobilenet_v1_025_dynamic"}
+    | {f"bert_base_4_layers_{shapes}" for shapes in ("static", "dynamic")}
+    | {
+        f"{model}_{shapes}"
+        for model in (
+            "wav2vec2_short_convs",
+            *(
+                f"held_out_{encoder}Model"
+                for encoder in (
+                    "Hubert",
+                    "WavLM",
+                    "Data2VecAudio",
+                    "UniSpeech",
+                    "UniSpeechSat",
+                    "SEW",
+                    "SEWD",
+                    "Wav2Vec2Conformer",
+                )
+            ),
+        )
+        for shapes in ("static", "dynamic")
+    }
 )
 ETHOS_U_TARGETS = ("ethos-u55-128", "ethos-u85-256")  # etfold.harness.vela.TARGETS
 
