@@ -144,8 +144,11 @@ def _executorch_side(program, flavour: str, inputs: tuple) -> Side:
         if flavour == "stock":
             lowered = lower_xnnpack(program, [StockPartitioner()])
         else:
-            lowered = lower_xnnpack(
-                program, [XnnpackPartitioner()], lower=etfold.exir.to_edge_transform_and_lower
+            lowered = lower_xnnpack(  # planned at every length the export declares
+                program,
+                [XnnpackPartitioner()],
+                lower=etfold.exir.to_edge_transform_and_lower,
+                keep_declared_bounds=True,
             )
         second = load_program(lowered.executorch)
         outputs = lowered.run(*inputs)  # a run that fails is the lowering's failure too

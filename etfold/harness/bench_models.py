@@ -647,25 +647,26 @@ def _onnx_runtime() -> list[BenchModel]:
     llama rows are bench_llm_export's, its static hifigan bench_weight_fold's, its static
     lstm bench_recurrent's).
 
-    The ORT bench lowers outside `declared_bounds_kept()`: there etfold's entry point
-    refuses the audio declared in samples and the dynamic hifigan (planning them would
-    narrow a declared bound), so stock's are their only programs; torch.export refuses
-    the LSTM's dynamic steps, so no flavour lowers it."""
+    The ORT bench lowers etfold's programs inside `declared_bounds_kept()`, as
+    `etfold report` does; torch.export refuses the LSTM's dynamic steps, so no flavour
+    lowers it."""
     script, transformers = "bench_onnx_runtime", ("transformers",)
+    kept = ("etfold",)
     return [
         BenchModel(
             "hf_wav2vec2_dynamic_samples",
             script,
             _hf_build("wav2vec2"),
-            flavours=("stock",),
             dynamic_shapes=declared_in_samples,
             requires=transformers,
+            bounds_kept=kept,
         ),
         BenchModel(
             shaped(f"bert_base_{ORT_BERT_BASE_LAYERS}_layers", False),
             script,
             ort_bert_base,
             requires=transformers,
+            bounds_kept=kept,
         ),
         BenchModel(
             shaped(f"bert_base_{ORT_BERT_BASE_LAYERS}_layers", True),
@@ -673,18 +674,23 @@ def _onnx_runtime() -> list[BenchModel]:
             ort_bert_base,
             dynamic_shapes=_along_axis_1("tokens", 8, 256),
             requires=transformers,
+            bounds_kept=kept,
         ),
         BenchModel(
             "hifigan_dynamic",
             script,
             hifigan_bench,
-            flavours=("stock",),
             dynamic_shapes=_along_axis_1("frames", 16, 128),
             requires=transformers,
+            bounds_kept=kept,
         ),
-        BenchModel("mobilenet_v1_025_static", script, mobilenet_v1_025),
+        BenchModel("mobilenet_v1_025_static", script, mobilenet_v1_025, bounds_kept=kept),
         BenchModel(
-            "mobilenet_v1_025_dynamic", script, mobilenet_v1_025, dynamic_shapes=_square_image
+            "mobilenet_v1_025_dynamic",
+            script,
+            mobilenet_v1_025,
+            dynamic_shapes=_square_image,
+            bounds_kept=kept,
         ),
         BenchModel(
             "lstm_dynamic",
@@ -692,6 +698,7 @@ def _onnx_runtime() -> list[BenchModel]:
             lambda: recurrent("lstm"),
             flavours=(),
             dynamic_shapes=_along_axis_1("steps", 8, 64),
+            bounds_kept=kept,
         ),
     ]
 

@@ -128,14 +128,16 @@ def _xnnpack_bytes(flavour: str, program, partitioner_kwargs) -> bytes:
     return edge.to_executorch().buffer
 
 
-def _xnnpack(build, flavour: str, partitioner_kwargs=None, dynamic_shapes=None):
+def _xnnpack(build, flavour: str, partitioner_kwargs=None, dynamic_shapes=None, bounds_kept=False):
     def lower() -> list[bytes]:
+        from etfold.exir import declared_bounds_kept
         from etfold.harness.modules import in_eval_mode
 
         module, inputs = build()
         shapes = dynamic_shapes() if dynamic_shapes else None
         program = torch.export.export(in_eval_mode(module), inputs, dynamic_shapes=shapes)
-        return [_xnnpack_bytes(flavour, program, partitioner_kwargs or {})]
+        with declared_bounds_kept() if bounds_kept else contextlib.nullcontext():
+            return [_xnnpack_bytes(flavour, program, partitioner_kwargs or {})]
 
     return lower
 
@@ -221,7 +223,9 @@ def _bench_cases() -> list[Case]:
             f"bench {m.script} {m.name} {flavour}",
             "bench",
             m.script in HEAVY_BENCH_SCRIPTS or m.name in HEAVY_BENCH_MODELS,
-            _xnnpack(m.build, flavour, m.partitioner_kwargs, m.dynamic_shapes),
+            _xnnpack(
+                m.build, flavour, m.partitioner_kwargs, m.dynamic_shapes, flavour in m.bounds_kept
+            ),
             m.requires,
         )
         for m in bench_models()
