@@ -495,6 +495,135 @@ def mobilenet_v1_025() -> Built:
     return MOBILENET_V1_025[0]()
 
 
+# ---- bench_reported_fallbacks.py: the fallbacks ExecuTorch users reported, as small modules
+
+
+class TiedLogits(torch.nn.Module):
+    """Whisper-style logits: a layer norm, then `x @ transpose(embedding.weight, 0, 1)`."""
+
+    def __init__(self, vocab: int, width: int):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(vocab, width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, ids):
+        return self.norm(self.embedding(ids)) @ torch.transpose(self.embedding.weight, 0, 1)
+
+
+class VitTail(torch.nn.Module):
+    """A ViT / InternViT tail: leaky ReLU written as `where`, the CLS token, the token mean."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.project = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        x = self.project(x)
+        x = torch.where(x > 0, x, 0.1 * x)
+        return x[:, 0], x[:, 1:].mean(dim=1)
+
+
+class GeluNewMlp(torch.nn.Module):
+    """GPT-2 / ALBERT `gelu_new` between two linears (a `pow(x, 3)` inside)."""
+
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        h = self.up(x)
+        inner = 0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))
+        return self.down(0.5 * h * (1.0 + torch.tanh(inner)))
+
+
+class MobileNetV3Block(torch.nn.Module):
+    """Expand conv, hardswish, depthwise conv + BN, squeeze-excite, projection, residual."""
+
+    def __init__(self, channels: int = 16, expanded: int = 64):
+        super().__init__()
+        self.expand = torch.nn.Conv2d(channels, expanded, 1)
+        self.depthwise = torch.nn.Conv2d(expanded, expanded, 3, padding=1, groups=expanded)
+        self.norm = torch.nn.BatchNorm2d(expanded)
+        self.squeeze = torch.nn.Conv2d(expanded, channels, 1)
+        self.excite = torch.nn.Conv2d(channels, expanded, 1)
+        self.project = torch.nn.Conv2d(expanded, channels, 1)
+
+    def forward(self, x):
+        functional = torch.nn.functional
+        h = functional.hardswish(self.expand(x))
+        h = functional.hardswish(self.norm(self.depthwise(h)))
+        pooled = functional.adaptive_avg_pool2d(h, 1)
+        scale = functional.hardsigmoid(self.excite(functional.relu(self.squeeze(pooled))))
+        return x + self.project(h * scale)
+
+
+class HeadsOfTwoDynamicDims(torch.nn.Module):
+    """`Linear(64, 128)(x).reshape(b, t, 4, 32)` then `Linear(32, 32)`, b and t dynamic."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 128), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        batch, tokens, _ = x.shape
+        return self.b(self.a(x).reshape(batch, tokens, 4, 32))
+
+
+class Fp16ConvSilu(torch.nn.Module):
+    def __init__(self, channels: int = 16):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        return torch.nn.functional.silu(self.conv(x))
+
+
+def _seeded(build: Callable[[], Built]) -> Callable[[], Built]:
+    def built() -> Built:
+        torch.manual_seed(0)
+        module, inputs = build()
+        return module.eval(), inputs
+
+    return built
+
+
+# name -> (builder, dynamic shapes or None); inputs drawn after the weights, one seed
+REPORTED_FALLBACKS: dict[str, tuple[Callable[[], Built], Callable[[], Any] | None]] = {
+    "tied_logits_tiny": (
+        _seeded(lambda: (TiedLogits(100, 32), (torch.randint(0, 100, (1, 8)),))),
+        None,
+    ),
+    "tied_logits_8192x384": (
+        _seeded(lambda: (TiedLogits(8192, 384), (torch.randint(0, 8192, (1, 16)),))),
+        None,
+    ),
+    "vit_tail": (_seeded(lambda: (VitTail(), (torch.randn(2, 17, 64),))), None),
+    "gelu_new_mlp": (_seeded(lambda: (GeluNewMlp(), (torch.randn(2, 16, 64),))), None),
+    "mobilenet_v3_block": (
+        _seeded(lambda: (MobileNetV3Block(), (torch.randn(1, 16, 32, 32),))),
+        None,
+    ),
+    "heads_of_two_dynamic_dims": (
+        _seeded(lambda: (HeadsOfTwoDynamicDims(), (torch.randn(2, 16, 64),))),
+        lambda: (
+            {
+                0: torch.export.Dim("batch", min=1, max=8),
+                1: torch.export.Dim("tokens", min=2, max=64),
+            },
+        ),
+    ),
+    "fp16_conv_silu": (
+        _seeded(
+            lambda: (
+                Fp16ConvSilu().to(torch.float16),
+                (torch.randn(1, 16, 32, 32, dtype=torch.float16),),
+            )
+        ),
+        None,
+    ),
+}
+
+
 # ---- the registry
 
 # bench_decoders.py's rows: every model in fp32, bf16 where it runs in bf16, SmolLM2 in fp16 too
@@ -737,6 +866,10 @@ def bench_models() -> list[BenchModel]:
         *_masked_attention(),
         *_dynamic_audio(),
         *_onnx_runtime(),
+        *(
+            BenchModel(name, "bench_reported_fallbacks", build, dynamic_shapes=shapes)
+            for name, (build, shapes) in REPORTED_FALLBACKS.items()
+        ),
     ]
     names = [m.name for m in models]
     assert len(set(names)) == len(names), names
