@@ -460,23 +460,6 @@ def test_a_fill_factory_weight_folds(name):
         folded = _hook(program)
     assert "linear.weight" in _applied(decisions)
     assert not any(str(t).startswith(f"aten.{name}.") for t in _targets(folded))
-
-
-# Folded, a factory's weight is a constant like any other: one factory of each form (a
-# fill, a `new_*` method, a `*_like`) runs in `make test`, the others in `make test-long`.
-FACTORIES_RUN_SHORT = {"full", "new_ones", "zeros_like"}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=[] if name in FACTORIES_RUN_SHORT else [pytest.mark.long])
-        for name in sorted(_FACTORIES)
-    ],
-)
-def test_a_fill_factory_weight_folded_runs_as_eager(name):
-    module = _FactoryWeight(_FACTORIES[name]).eval()
-    x = torch.randn(4, 16)
     lowered, reference = _lower_etfold(module, (x,))
     assert_close(lowered.run(x), reference, atol=ATOL)
 

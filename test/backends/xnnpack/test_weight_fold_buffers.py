@@ -118,9 +118,9 @@ _WRITERS = {
 }
 
 
-def _read_beside_a_writer(writer: str):
-    """`read` and the `writer` method exported and marked; `read` through the hook."""
-    make_inputs, _ = _WRITERS[writer]
+@pytest.mark.parametrize("writer", sorted(_WRITERS))
+def test_declines_when_another_method_writes_the_buffer(writer):
+    make_inputs, op = _WRITERS[writer]
     torch.manual_seed(0)
     module = _Cache().eval()
     x = torch.randn(4, 16)
@@ -129,35 +129,18 @@ def _read_beside_a_writer(writer: str):
         writer: export_method(module, writer, make_inputs()),
     }
     mark_buffer_fold_blockers(programs)
-    with collect_decisions() as decisions:
-        folded = _hook(programs["read"])
-    return module, x, programs, folded, decisions
-
-
-@pytest.mark.parametrize("writer", sorted(_WRITERS))
-def test_declines_when_another_method_writes_the_buffer(writer):
-    _, op = _WRITERS[writer]
-    _, _, programs, folded, decisions = _read_beside_a_writer(writer)
     blockers = (
         f"method `{writer}` may write it ({op})",
         f"methods {', '.join(sorted(programs))} all read it",
     )
     assert _placeholder(programs["read"], "w").meta[BUFFER_FOLD_BLOCKERS] == blockers
     assert _placeholder(programs["read"], "untouched").meta[BUFFER_FOLD_BLOCKERS] == ()
+    with collect_decisions() as decisions:
+        folded = _hook(programs["read"])
     assert _declined(decisions) == [f"weight stays dynamic: buffer `w`: {'; '.join(blockers)}"]
     assert _applied(decisions) == ["linear_1.weight"]  # the untouched buffer still folds
     cumsums = [n for n in folded.graph.nodes if n.target == torch.ops.aten.cumsum.default]
     assert len(cumsums) == 1 and cumsums[0].args[0].op == "placeholder"
-
-
-# Whichever method writes `w`, `read` folds the same way (the test above): one writer's
-# `read` runs in `make test`, the others' in `make test-long`.
-@pytest.mark.parametrize(
-    "writer",
-    [pytest.param(w, marks=[] if w == "copy" else [pytest.mark.long]) for w in sorted(_WRITERS)],
-)
-def test_a_read_beside_a_writer_runs_as_eager(writer):
-    module, x, _, folded, _ = _read_beside_a_writer(writer)
     lowered = lower_xnnpack(
         {"read": folded}, [XnnpackPartitioner(fold_weights=False)], lower=upstream_lower
     )
