@@ -80,7 +80,7 @@ def _decomposed_outputs(program, inputs):
     return program.run_decompositions(table).module()(*inputs)
 
 
-@settings(max_examples=4)
+@settings(max_examples=2)
 @given(
     heads=st.integers(1, 3),
     rows=st.integers(1, 9),

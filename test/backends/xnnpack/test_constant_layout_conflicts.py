@@ -112,9 +112,29 @@ def test_weight_that_sources_a_second_weight_lowers_right():
     assert program.delegates() >= 1
 
 
-@pytest.mark.parametrize("dtype", TOLERANCE, ids=["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("folded_bias", [False, True], ids=["plain_bias", "folded_bias"])
-@pytest.mark.parametrize("kind", ["conv", "linear"])
+# `make test` runs the six cases in which each two of kind, bias and dtype meet;
+# `make test-long` the other six
+SHARED_WEIGHT_SHORT = {
+    "conv-plain_bias-fp32",
+    "linear-folded_bias-fp32",
+    "conv-folded_bias-fp16",
+    "linear-plain_bias-fp16",
+    "conv-plain_bias-bf16",
+    "linear-folded_bias-bf16",
+}
+
+
+@pytest.mark.parametrize(
+    "kind, folded_bias, dtype",
+    [
+        pytest.param(kind, folded, dtype, id=case, marks=marks)
+        for dtype, dtype_id in zip(TOLERANCE, ["fp32", "fp16", "bf16"], strict=True)
+        for kind in ("conv", "linear")
+        for folded, bias_id in ((False, "plain_bias"), (True, "folded_bias"))
+        for case in [f"{kind}-{bias_id}-{dtype_id}"]
+        for marks in [[] if case in SHARED_WEIGHT_SHORT else [pytest.mark.long]]
+    ],
+)
 def test_weight_read_by_two_gemms_and_an_elementwise_op(kind, folded_bias, dtype):
     torch.manual_seed(1)
     module = SharedWeight(kind, folded_bias).to(dtype).eval()
@@ -210,7 +230,7 @@ def test_finds_no_conflict_when_readers_are_in_different_partitions():
 
 
 @settings(
-    max_examples=4,
+    max_examples=2,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],

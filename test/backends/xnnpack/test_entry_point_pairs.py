@@ -125,7 +125,9 @@ class WeightNormConv(torch.nn.Module):
         return torch.relu(self.conv(x))
 
 
-@PAIRS
+# one generated conv: weight folds are paired through both entry points in make test by
+# test_tiny_qwen2_folds_its_rotary_tables_through_either_entry_point[bf16] too
+@settings(PAIRS, max_examples=1)
 @given(
     channels=st.sampled_from([2, 4]),
     kernel=st.sampled_from([1, 3]),

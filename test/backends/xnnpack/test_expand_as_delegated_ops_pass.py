@@ -98,6 +98,8 @@ GQA_DETAILS = [
 # measured: stock ExecuTorch 1.5.1 leaves 7 expand_copy and 2 unsqueeze_copy outside 4 delegates
 
 
+# Through upstream's entry point in `make test-long`: both entry points run the one
+# pre-decomposition hook and decide alike (test_entry_point_pairs, in `make test`)
 @pytest.mark.parametrize(
     ("dtype", "upstream_entry_point", "delegates", "outside"),
     [
@@ -106,7 +108,7 @@ GQA_DETAILS = [
         (torch.float16, False, 1, {}),
         # XNNPACK in executorch 1.5.1 compiles no bf16 bmm: the two are widened to fp32
         (torch.bfloat16, False, 1, {}),
-        (torch.float32, True, 1, {}),
+        pytest.param(torch.float32, True, 1, {}, marks=pytest.mark.long),
     ],
     ids=["fp32", "fp16", "bf16", "fp32-upstream_entry_point"],
 )
@@ -169,7 +171,7 @@ class Generated(torch.nn.Module):
         return x.expand(self.shape) + y, (x * 2).expand(self.shape).reshape(-1)
 
 
-@settings(max_examples=3)
+@settings(max_examples=2)
 @given(
     shape=st.lists(st.integers(1, 4), min_size=2, max_size=4),
     repeats=st.lists(st.integers(2, 7), min_size=1, max_size=2),
@@ -227,7 +229,7 @@ def test_dynamic_gqa_on_the_runtime_matches_eager_within_the_bounds(tokens):
     )
 
 
-@settings(max_examples=3, deadline=None, phases=[Phase.generate])
+@settings(max_examples=2, deadline=None, phases=[Phase.generate])
 @given(
     rows=st.integers(2, 6),
     n_rep=st.integers(2, 7),

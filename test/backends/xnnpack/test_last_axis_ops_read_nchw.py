@@ -111,9 +111,25 @@ def test_fp32_conv_then_last_axis_op_is_exact(op):
     assert max_abs_error(program.run(x), reference) <= 1e-5
 
 
-@pytest.mark.parametrize("channels_last", ["none", "into_fp32", "out_of_fp32"])
-@pytest.mark.parametrize("op", ["softmax", "layer_norm", "gelu"])
-@pytest.mark.parametrize("dtype", NARROW, ids=["fp16", "bf16"])
+def _casts_around(dtype: torch.dtype, op: str, channels_last: str):
+    """One case; `make test` runs the half of the grid in which every two of dtype, op and
+    layout meet (the dtype alternates over op x layout), `make test-long` the other half."""
+    ops, layouts = ["softmax", "layer_norm", "gelu"], ["none", "into_fp32", "out_of_fp32"]
+    short = list(NARROW)[(ops.index(op) + layouts.index(channels_last)) % 2]
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    marks = [] if dtype is short else [pytest.mark.long]
+    return pytest.param(dtype, op, channels_last, id=f"{name}-{op}-{channels_last}", marks=marks)
+
+
+@pytest.mark.parametrize(
+    "dtype, op, channels_last",
+    [
+        _casts_around(dtype, op, channels_last)
+        for dtype in NARROW
+        for op in ("softmax", "layer_norm", "gelu")
+        for channels_last in ("none", "into_fp32", "out_of_fp32")
+    ],
+)
 def test_channels_last_casts_around_fp32_last_axis_ops(dtype, op, channels_last):
     torch.manual_seed(2)
     module = NarrowCastsAround(op, dtype, channels_last).eval()
@@ -180,7 +196,7 @@ def test_guard_extends_the_set_only_in_its_own_thread():
 
 
 @settings(
-    max_examples=4, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=2, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 @given(
     groups=st.sampled_from([1, 2, 3]),
@@ -213,8 +229,16 @@ class SoftmaxOfChannelsLastCopy(torch.nn.Module):
         return torch.softmax(h.float(), dim=-1).to(self.dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [(1, 1, 1, 9), (1, 1, 4, 6), (2, 1, 3, 5)])
+# each shape and each dtype in `make test`; the other three pairings in `make test-long`
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [
+        pytest.param(shape, dtype, id=f"{'x'.join(map(str, shape))}-{name}", marks=marks)
+        for shape, short in (((1, 1, 1, 9), "fp32"), ((1, 1, 4, 6), "bf16"), ((2, 1, 3, 5), "fp32"))
+        for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))
+        for marks in [[] if name == short else [pytest.mark.long]]
+    ],
+)
 def test_softmax_of_channels_last_copy_with_one_channel_reads_nchw(shape, dtype):
     torch.manual_seed(5)
     x = torch.randn(shape).to(dtype)

@@ -80,13 +80,15 @@ def _within_one_ulp(actual: torch.Tensor, expected: torch.Tensor) -> bool:
     return bool(torch.stack([actual == n for n in neighbours]).any(0).all())
 
 
+# Through upstream's entry point in `make test-long`: both entry points run the one
+# pre-decomposition hook and decide alike (test_entry_point_pairs, in `make test`)
 @pytest.mark.parametrize(
     ("dtype", "upstream_entry_point"),
     [
         (torch.float32, False),
         (torch.float16, False),
         (torch.bfloat16, False),
-        (torch.float32, True),
+        pytest.param(torch.float32, True, marks=pytest.mark.long),
     ],
     ids=["fp32", "fp16", "bf16", "fp32-upstream_entry_point"],
 )
@@ -301,7 +303,7 @@ def test_native_layer_norm_is_rewritten_on_a_copy_and_computes_the_same():
     torch.testing.assert_close(rewritten.module()(*inputs), module(*inputs), atol=1e-5, rtol=1e-5)
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(
     shape=st.lists(st.integers(1, 4), min_size=0, max_size=3).map(lambda s: [*s, 12]),
     affine=st.booleans(),

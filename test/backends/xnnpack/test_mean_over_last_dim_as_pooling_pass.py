@@ -169,7 +169,7 @@ def test_declines_when_the_input_is_not_contiguous():
     assert "not contiguous" in reason
 
 
-@settings(max_examples=3)
+@settings(max_examples=2)
 @given(
     shape=st.lists(st.integers(1, 4), min_size=1, max_size=3).map(lambda s: [*s, 6]),
     last=st.booleans(),

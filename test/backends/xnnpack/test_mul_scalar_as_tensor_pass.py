@@ -140,7 +140,7 @@ def test_the_rewrite_is_a_mul_tensor_with_the_same_operands():
     assert not [n for n in program.graph.nodes if n.target == torch.ops.aten.mul.Tensor]
 
 
-@settings(max_examples=3)
+@settings(max_examples=2)
 @given(
     rows=st.integers(1, 5),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),

@@ -71,7 +71,7 @@ def test_the_deprecated_workflow_is_told_only_from_executorchs_to_backend():
     assert _verdicts_at_the_bottom_of([]) == (False, False)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(NAMES), st.sampled_from(FILES)), max_size=5))
 def test_generated_stacks_get_upstreams_verdict(frames):
     upstream, ours = _verdicts_at_the_bottom_of(frames)

@@ -95,7 +95,7 @@ def test_the_guard_is_a_multiply_and_the_row_test_runs_once_per_mask():
     assert set(_targets(_decomposed(program)[0])) >= GUARD  # the user's program keeps its own
 
 
-@settings(max_examples=5)
+@settings(max_examples=3)
 @given(
     batch=st.integers(1, 3),
     length=st.integers(1, 7),
