@@ -16,7 +16,9 @@ Never around an export, a quantizer or a calibration: torch.export and dynamo tr
 stock torch. Programs come out byte for byte as without it, so a stock row of
 `etfold report` stays stock; the report times the runtime, never the lowering. The
 patches act in this context only, and torch and ExecuTorch are as they were on exit.
-`enabled` and `ETFOLD_SPEEDUPS` switch them as for the entry point.
+`enabled` and `ETFOLD_SPEEDUPS` switch them as for the entry point; a caller lowering
+with upstream alone says `stock=True`, and `ETFOLD_SPEEDUPS=etfold` leaves that
+lowering unpatched.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def lowering_speedups(enabled: bool | None = None) -> Iterator[None]:
+def lowering_speedups(enabled: bool | None = None, *, stock: bool = False) -> Iterator[None]:
     import etfold.backends.xnnpack  # noqa: F401  (registers its speed-up)
-    from etfold.exir.program.speedups import torch_speedups
+    from etfold.exir.program.speedups import stock_lowerings_unpatched, torch_speedups
+
+    if enabled is None and stock and stock_lowerings_unpatched():
+        enabled = False
 
     with torch_speedups(enabled):
         yield

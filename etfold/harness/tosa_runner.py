@@ -304,6 +304,13 @@ def run_carried(
     return results
 
 
+def is_stock_arm_lowering(lower: Callable) -> bool:
+    """Upstream's entry point with no etfold fold registered in Arm's pass manager."""
+    from etfold.backends.arm import are_arm_folds_registered
+
+    return lower is upstream_to_edge_transform_and_lower and not are_arm_folds_registered()
+
+
 def lower_tosa(
     program: ExportedProgram,
     profile: str = INT,
@@ -313,7 +320,7 @@ def lower_tosa(
 ) -> TosaProgram:
     from executorch.backends.arm.tosa.partitioner import TOSAPartitioner
 
-    with lowering_speedups():
+    with lowering_speedups(stock=is_stock_arm_lowering(lower)):
         edge = lower(
             program,
             partitioner=[TOSAPartitioner(compile_spec(profile))],

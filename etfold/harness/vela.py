@@ -233,7 +233,10 @@ def lower_ethos_u(
     from executorch.backends.arm.ethosu import EthosUPartitioner
 
     partitioner = EthosUPartitioner(ethos_u_compile_spec(target))
-    with _estimates_collected() as estimates, lowering_speedups():
+    from etfold.harness.tosa_runner import is_stock_arm_lowering
+
+    stock = is_stock_arm_lowering(lower)
+    with _estimates_collected() as estimates, lowering_speedups(stock=stock):
         edge = lower(copy.deepcopy(program), partitioner=[partitioner])
     return EthosUProgram(edge, target, list(estimates))
 

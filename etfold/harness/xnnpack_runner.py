@@ -120,11 +120,21 @@ def lower_xnnpack(
         return _lowered_and_loaded(programs, partitioners, lower, compile_config, executorch_config)
 
 
+def is_stock_lowering(lower: Callable, partitioners: Sequence | None) -> bool:
+    """Upstream's entry point with upstream's partitioners only: nothing of etfold's."""
+    return (
+        lower is upstream_to_edge_transform_and_lower
+        and partitioners is not None
+        and all(type(p).__module__.startswith("executorch.") for p in partitioners)
+    )
+
+
 def _lowered_and_loaded(
     programs: Programs, partitioners, lower, compile_config, executorch_config
 ) -> XnnpackProgram:
     """The two lowering calls run with etfold's lowering speed-ups (`lowering_speedups`)."""
-    with lowering_speedups():
+    stock = is_stock_lowering(lower, partitioners)
+    with lowering_speedups(stock=stock):
         edge = lower(
             programs if isinstance(programs, ExportedProgram) else dict(programs),
             partitioner=list(partitioners) if partitioners is not None else default_partitioners(),
@@ -136,7 +146,7 @@ def _lowered_and_loaded(
     constant_work = {
         m: ops_outside_reading_no_user_input(edge.exported_program(m)) for m in methods
     }
-    with lowering_speedups():
+    with lowering_speedups(stock=stock):
         executorch = (
             edge.to_executorch(executorch_config) if executorch_config else edge.to_executorch()
         )

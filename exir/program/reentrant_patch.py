@@ -107,7 +107,12 @@ class ReentrantPatch:
         return self._entered.get() > 0
 
     def check(self) -> None:
-        """Raise `PatchUnavailable` unless every attribute the patch replaces is there."""
+        """Raise `PatchUnavailable` unless every attribute the patch replaces is there.
+        Installed (a scope open anywhere), the attributes are the patch's own, checked
+        when it installed: a nested scope is sound."""
+        with self._lock:
+            if self._depth > 0:
+                return
         for replacement in self._replacements():
             self._checked_original(replacement)
 

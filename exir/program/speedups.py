@@ -16,7 +16,10 @@ They are written against the versions in `TESTED_VERSIONS`. On any other
 version, or when an attribute a patch replaces is gone, none of them is
 entered, a `SpeedupsOffWarning` says why (once per reason and process) and the
 lowering runs on stock torch. `ETFOLD_SPEEDUPS=0` in the environment turns them
-off; an explicit `enabled=` argument wins over the environment.
+off; `ETFOLD_SPEEDUPS=etfold` keeps them for etfold's lowerings and off for the
+stock lowerings the harness runs beside them (`stock_lowerings_unpatched`: the
+test suite's setting, so every stock baseline is unpatched); an explicit
+`enabled=` argument wins over the environment.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from etfold.exir.program.shared_provenance import PATCH as SHARED_PROVENANCE
 from etfold.versions import tested_releases
 
 ENVIRONMENT_SWITCH = "ETFOLD_SPEEDUPS"
+ETFOLD_LOWERINGS_ONLY = "etfold"  # the switch's value that leaves stock lowerings unpatched
 
 # distribution -> the versions the patches were written and tested against (etfold.versions)
 TESTED_VERSIONS: dict[str, tuple[str, ...]] = tested_releases()
@@ -103,6 +107,11 @@ def _warn_once(reason: str) -> None:
         SpeedupsOffWarning,
         stacklevel=4,
     )
+
+
+def stock_lowerings_unpatched() -> bool:
+    """The environment switch keeps the speed-ups out of stock lowerings (`etfold`)."""
+    return os.environ.get(ENVIRONMENT_SWITCH, "").strip().lower() == ETFOLD_LOWERINGS_ONLY
 
 
 def speedups_enabled(enabled: bool | None = None) -> bool:
