@@ -23,16 +23,20 @@ def test_torchs_trace_logger_keeps_no_handler_of_its_own_as_outside_pytest():
     assert trace_log.handlers == []
 
 
-def test_tests_lower_on_stock_torch_with_the_speedups_off_unless_a_test_turns_them_on():
-    """A lowering through etfold's entry point, as the fold tests make it, builds torch's
-    own graph modules, through torch's own `GraphModule.__new__`."""
-    from etfold.backends.xnnpack import XnnpackPartitioner
-    from etfold.exir import to_edge_transform_and_lower
-    from etfold.exir.program.speedups import speedups_enabled
+def test_tests_lower_etfolds_programs_with_the_speedups_and_stocks_without():
+    """The suite's switch: etfold's entry point lowers with the speed-ups, as users get
+    it; the harness's stock lowering runs on torch's own code, and torch is as it was
+    once each lowering returns (its own `GraphModule.__new__`)."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+        XnnpackPartitioner as StockPartitioner,
+    )
 
-    assert not speedups_enabled()
-    program = torch.export.export(_Relu(), (torch.randn(3),))
-    edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
-    assert type(edge.exported_program().graph_module).__mro__[1] is torch.fx.GraphModule
+    from etfold.exir.program.speedups import speedups_enabled, stock_lowerings_unpatched
+    from etfold.harness.xnnpack_runner import lower_xnnpack
+
+    assert speedups_enabled() and stock_lowerings_unpatched()
+    stock = lower_xnnpack(torch.export.export(_Relu(), (torch.randn(3),)), [StockPartitioner()])
+    graph_module = stock.edge.exported_program().graph_module
+    assert type(graph_module).__mro__[1] is torch.fx.GraphModule
     new = torch.fx.GraphModule.__dict__["__new__"]
     assert new.__func__.__module__ == "torch.fx.graph_module"
