@@ -425,7 +425,8 @@ def test_a_name_held_by_other_data_gives_the_fold_the_digested_name():
     assert renamed == f"{taken}_{tensor_digest(folded, NAME_DIGEST_LENGTH)}"
     assert ep.state_dict[taken] is other and torch.equal(ep.state_dict[renamed], folded)
     assert is_folded_target(renamed) and fold_root(renamed) == fold_root(taken)
-    assert_close(run_module(ep, x), eager(model, x), atol=1e-6)
+    # the folded transpose is contiguous, eager's a view: the GEMMs sum in another order
+    assert_close(run_module(ep, x), eager(model, x), atol=1e-5)
 
 
 def test_declines_when_name_and_digested_name_are_held_by_other_data():
