@@ -94,7 +94,7 @@ def rows() -> list[Row]:
             "dynamic",
             "hf_wav2vec2_dynamic_samples",
             "4,000..32,000 samples",
-            profile=True,  # far behind its static twin today: where its time goes
+            profile=True,  # where a program declared in samples spends its time
         ),
         Row("llama", "static", "hf_llama_static"),
         Row("llama", "dynamic", "hf_llama_dynamic", "4..64 tokens"),

@@ -122,14 +122,19 @@ def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
     return _reachable(node, lambda current: current.all_input_nodes)
 
 
-# ops that read their first operand for its shape, dtype and device only, never its
-# values: a size read, and the fills shaped (or typed) like it
-SHAPE_ONLY_READERS = frozenset(
+# fills of their first operand's shape (a `new_*` fill is only typed like it)
+FILLS_SHAPED_LIKE_OPERAND = frozenset(
     {
-        torch.ops.aten.sym_size.int,
         torch.ops.aten.zeros_like.default,
         torch.ops.aten.ones_like.default,
         torch.ops.aten.full_like.default,
+    }
+)
+# ops that read their first operand for its shape, dtype and device only, never its
+# values: a size read, and the fills shaped (or typed) like it
+SHAPE_ONLY_READERS = FILLS_SHAPED_LIKE_OPERAND | frozenset(
+    {
+        torch.ops.aten.sym_size.int,
         torch.ops.aten.new_zeros.default,
         torch.ops.aten.new_ones.default,
         torch.ops.aten.new_full.default,

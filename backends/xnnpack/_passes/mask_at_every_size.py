@@ -42,6 +42,7 @@ from etfold.decisions import Declined
 from etfold.exir.passes.constant_prop.evaluate import evaluate
 from etfold.exir.passes.constant_prop.verdicts import EVERY_METHOD, source_verdict
 from etfold.exir.passes.graph_walk import (
+    FILLS_SHAPED_LIKE_OPERAND,
     SHAPE_ONLY_READERS,
     StateFacts,
     input_kinds,
@@ -55,9 +56,6 @@ aten = torch.ops.aten
 MAX_SIZES = 4096  # size assignments checked, across all symbols
 MAX_ELEMENTS = 1 << 25  # mask elements computed, summed over the assignments
 MAX_SYMBOL_VALUES = 1 << 22  # assignments whose derived sizes are computed, to find their classes
-
-# fills shaped like their first operand (a `new_*` fill is only typed like it)
-_FILLS_LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default}
 
 
 # ops whose result holds exactly the elements of their first argument (broadcast or viewed)
@@ -97,7 +95,7 @@ def _sizes_read(read: Node) -> list[tuple[int, object]]:
     as arguments, read by nodes of their own)."""
     if read.target is aten.sym_size.int:
         return [(read.args[1], node_value(read))]
-    if read.target in _FILLS_LIKE:
+    if read.target in FILLS_SHAPED_LIKE_OPERAND:
         return list(enumerate(node_value(read).shape))
     return []
 
@@ -149,7 +147,9 @@ def sizes_read_by_tensor_ops(cone: set[Node]) -> list[object]:
         ),
         key=lambda node: node.name,
     )
-    fills = sorted((n for n in cone if n.target in _FILLS_LIKE), key=lambda node: node.name)
+    fills = sorted(
+        (n for n in cone if n.target in FILLS_SHAPED_LIKE_OPERAND), key=lambda node: node.name
+    )
     return [node_value(n) for n in scalars] + [s for _, _, s in _symbolic_sizes(fills)]
 
 
@@ -296,7 +296,9 @@ def _value_at(
         if read.target is aten.sym_size.int:
             values[read] = concrete(node_value(read), assignment)
         elif isinstance(operand := read.args[0], Node) and operand not in values:
-            values[operand] = _stand_in(operand, read.target in _FILLS_LIKE, assignment)
+            values[operand] = _stand_in(
+                operand, read.target in FILLS_SHAPED_LIKE_OPERAND, assignment
+            )
     for current in ordered:
         if current not in values:
             value = evaluate(current, values)
