@@ -569,6 +569,18 @@ class HeadsOfTwoDynamicDims(torch.nn.Module):
         return self.b(self.a(x).reshape(batch, tokens, 4, 32))
 
 
+class NormBetweenLinears(torch.nn.Module):
+    """`Linear -> LayerNorm -> Linear` of one width: stock cuts the delegate at the norm."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x):
+        return self.b(self.norm(self.a(x)))
+
+
 class Fp16ConvSilu(torch.nn.Module):
     def __init__(self, channels: int = 16):
         super().__init__()
@@ -621,6 +633,20 @@ REPORTED_FALLBACKS: dict[str, tuple[Callable[[], Built], Callable[[], Any] | Non
         ),
         None,
     ),
+    # a layer norm between linears, rows x width: the sizes where the delegated norm's ops
+    # cost the most (few short rows) and the widths of small and base encoders
+    **{
+        f"norm_between_linears_{rows}x{width}": (
+            _seeded(
+                lambda rows=rows, width=width: (
+                    NormBetweenLinears(width),
+                    (torch.randn(1, rows, width),),
+                )
+            ),
+            None,
+        )
+        for rows, width in ((8, 32), (128, 64), (128, 768))
+    },
 }
 
 

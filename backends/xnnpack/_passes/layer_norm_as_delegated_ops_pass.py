@@ -4,46 +4,56 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
-"""Write a layer norm over the last dim as the elementwise ops and means XNNPACK delegates.
+"""Write a layer norm over the last dim as the GEMMs and elementwise ops XNNPACK delegates.
 
 Given:   y = layer_norm(x, [C], w, b, eps)         (or native_layer_norm(...)[0])
-                                                   x: [s0, ..., C], float32
-Result:  m = mean.dim(x, [-1], keepdim=True)
+                                                   x: [s0, ..., C], float
+Result:  a = full([1, C], 1 / C)                   a constant, shared by equal norms
+         m = linear(x, a)                          the row means, [s0, ..., 1]
          d = x - m
-         v = mean.dim(d * d, [-1], keepdim=True)
+         v = linear(d * d, a)
          y = d * rsqrt(v + eps) * w + b            (`* w`, `+ b` only when given)
 
 This is the definition layer norm computes: the biased variance of each row of
-C values, `d` the row centred on its mean. ExecuTorch 1.5.1's XNNPACK
-partitioner has no layer norm config, so every transformer block's norms stay
-on portable kernels and cut the delegate around them; upstream delegates each
-op above. The means have the form `mean_over_last_dim_as_pooling_pass` then
-writes as XNNPACK's 4-D pooling, so this pass runs before it and declines what
-that pass would decline (rank, a size that may be 0, a view that would leave the
-runtime two symbolic sizes to infer). Symbolic sizes are otherwise taken: the
-elementwise ops broadcast at runtime. An input that is not
-contiguous (a norm over the channels of a conv's output, read through a
-transpose) is first copied contiguous with `clone`: the same values, and once
-the transpose is an Edge `permute_copy` the clone keeps its dim order, which
-XNNPACK delegates as a no-op.
+C values, `d` the row centred on its mean; a row mean is the dot product of the
+row with a column of 1/C. ExecuTorch 1.5.1's XNNPACK partitioner has no layer
+norm config, so every transformer block's norms stay on portable kernels and cut
+the delegate around them; upstream delegates each op above. The means are GEMVs
+rather than XNNPACK's 4-D pooling because pooling needs a view to [1, N, 1, C],
+a transpose to NHWC and a view back around each mean: 6 more ops a norm, which
+made the delegated norm slower than the portable one with its delegate boundary
+on small rows (a 100 x 32 tied-logits head: 1.04x stock as pooling, 0.91x as
+GEMVs). A GEMV takes any leading dims, symbolic ones included, as rows.
 
-Precision (max |error| on the executorch 1.5.1 runtime, LayerNorm(1024) with
-affine, 4 rows of N(0.5, 1); eager's own result in brackets, against float32):
-- float32: 2.4e-6 against eager.
+A norm over a symbolic width has no constant 1/C: its means stay `mean.dim`, which
+`mean_over_last_dim_as_pooling_pass` then writes as pooling, so this pass runs before
+it and declines what that pass would decline (bfloat16, a view that would leave the
+runtime two symbolic sizes to infer). A pooled input that is not contiguous (read
+through a transpose) is first copied contiguous with `clone`, which Edge's
+`permute_copy` makes a no-op.
+
+Precision (max |error| on the executorch 1.5.1 runtime, LayerNorm(1024), weight
+U(0.5, 1.5), bias U(-0.5, 0.5), 4 rows of N(0.5, 1), seed 0; eager's own error
+in brackets, against float32), the same as the pooled means gave:
+- float32: 2.4e-6 against eager. 1/C is rounded to float32 when C is not a power
+  of two: one more rounding of each product, within the GEMM's own.
 - float16 / bfloat16 reach this pass in float32 when the partitioner delegates
   dtype converts (`widen_half_precision_ops_pass` computes them between two
-  converts), so their statistics stay float32 inside the delegate: 1.8e-3 /
-  1.5e-2 against eager float32 [1.8e-3 / 1.5e-2, one rounding], 9.8e-4 / 0
+  converts), so their statistics stay float32 inside the delegate: 3.1e-3 /
+  2.1e-2 against eager float32 [3.1e-3 / 2.1e-2, one rounding], 9.8e-4 / 0
   against eager in the same dtype.
-- Computed in float16 itself (converts not delegated): 5.0e-3 [1.8e-3], 3.9e-3
+- Computed in float16 itself (converts not delegated): 6.1e-3 [3.1e-3], 3.9e-3
   against eager float16. Rewritten all the same: the portable float16 kernel it
-  would otherwise stay on is 4.5-5.7 off eager. bfloat16 itself is declined as
-  a dtype: XNNPACK 1.5.1 has no bfloat16 mean.
+  would otherwise stay on is 4.5-5.7 off eager.
+- Computed in bfloat16 itself (enable_bf16, converts not delegated; Linear(64) →
+  LayerNorm(64) → Linear(64)): 5.1e-3 against eager float32 [7.2e-3]; XNNPACK's
+  bfloat16 GEMMs sum in float32. Where bfloat16 is not enabled it is declined.
 
 Declines: a normalized shape other than the last dim alone, a native_layer_norm
 whose mean or rstd output is used (training graphs), a quantized input, weight or
-bias in another dtype than the input, and what the
-mean pass declines. Runs on the ATen program, before decomposition.
+bias in another dtype than the input, a rank beyond XNNPACK's, an input that may
+be empty, and the pooled means' declines above. Runs on the ATen program, before
+decomposition.
 """
 
 from __future__ import annotations
@@ -68,6 +78,7 @@ from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
     viewable,
 )
 from etfold.decisions import Declined, first_declined, record_applied
+from etfold.exir.passes.graph_walk import add_lifted_constant, constant_holding, constant_names
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 from etfold.exir.passes.node_shapes import argument_values, node_value, rank_of
 
@@ -75,10 +86,11 @@ FOLD = "xnnpack.layer_norm_as_delegated_ops"
 
 aten = torch.ops.aten
 LAYER_NORMS = (aten.layer_norm.default, aten.native_layer_norm.default)
-# the upstream configs the rewritten form needs, the mean pass's view included
+# the upstream configs the rewritten form needs; a symbolic width's pooled means also
+# need POOLED_MEAN_TARGETS
+POOLED_MEAN_TARGETS = ("mean.dim", "view_copy.default")
 DELEGATED_TARGETS = (
-    "mean.dim",
-    "view_copy.default",
+    "linear.default",
     "sub.Tensor",
     "mul.Tensor",
     "add.Tensor",
@@ -93,7 +105,8 @@ class LayerNormOverLastDim:
     weight: torch.fx.Node | None
     bias: torch.fx.Node | None
     eps: float
-    copied: bool  # the input, not contiguous (a transpose), is copied contiguous first
+    width: int | None  # None: symbolic, its means pooled
+    copied: bool  # a pooled input, not contiguous (a transpose), is copied contiguous first
 
 
 def _argument(node: torch.fx.Node, index: int, default: object = None) -> object:
@@ -111,6 +124,19 @@ def over_last_dim_only(node: torch.fx.Node) -> Declined | None:
             "last dim alone is rewritten"
         )
     return None
+
+
+def pooled_means_taken(
+    value: torch.Tensor, pooled_means: bool, dtypes: Collection[torch.dtype]
+) -> Declined | None:
+    """A symbolic width has no constant 1/C: its means are `mean.dim`, which the mean
+    pass writes as pooling; this declines what that pass would leave outside."""
+    if not pooled_means:
+        return Declined("symbolic width: its means need the mean.dim and view_copy configs")
+    if value.dtype not in set(dtypes) - {torch.bfloat16}:
+        return Declined(f"symbolic width in {value.dtype}: XNNPACK 1.5.1 has no bfloat16 mean")
+    views = pooling_views(value, keepdim=True)
+    return views if isinstance(views, Declined) else None
 
 
 def only_the_output_used(node: torch.fx.Node) -> Declined | None:
@@ -132,13 +158,8 @@ def affine_in_input_dtype(node: torch.fx.Node, dtype: torch.dtype) -> Declined |
     return None
 
 
-def _views_written(views: tuple | Declined) -> Declined | None:
-    """The mean pass must write both views of each rewritten mean, or this declines."""
-    return views if isinstance(views, Declined) else None
-
-
 def match_layer_norm(
-    node: torch.fx.Node, dtypes: Collection[torch.dtype]
+    node: torch.fx.Node, dtypes: Collection[torch.dtype], pooled_means: bool = True
 ) -> LayerNormOverLastDim | Declined | None:
     """The rewrite of `node`, a reason it stays, or None when it is not a layer norm."""
     if node.op != "call_function" or node.target not in LAYER_NORMS:
@@ -156,13 +177,18 @@ def match_layer_norm(
         lambda: affine_in_input_dtype(node, value.dtype),
         lambda: rank_fits(rank, keepdim=True),
         lambda: nonempty_for_every_size(source),
-        lambda: _views_written(pooling_views(value, keepdim=True)),
     )
     if declined is not None:
         return declined
-    eps = _argument(node, 4, 1e-5)
-    copied = viewable(source) is not None
-    return LayerNormOverLastDim(node, source, _argument(node, 2), _argument(node, 3), eps, copied)
+    width = _argument(node, 1)[0]
+    if type(width) is not int:
+        declined = pooled_means_taken(value, pooled_means, dtypes)
+        if declined is not None:
+            return declined
+        width = None
+    copied = width is None and viewable(source) is not None
+    weight, bias, eps = _argument(node, 2), _argument(node, 3), _argument(node, 4, 1e-5)
+    return LayerNormOverLastDim(node, source, weight, bias, eps, width, copied)
 
 
 def _insert(anchor: torch.fx.Node, target, *args, **kwargs) -> torch.fx.Node:
@@ -173,16 +199,50 @@ def _insert(anchor: torch.fx.Node, target, *args, **kwargs) -> torch.fx.Node:
     return node
 
 
-def rewrite_as_delegated_ops(match: LayerNormOverLastDim) -> None:
+def row_mean_column(width: int, dtype: torch.dtype) -> torch.Tensor:
+    """The [1, width] weight of 1/width whose linear is the mean of each row."""
+    return torch.full((1, width), 1.0 / width, dtype=dtype)
+
+
+def is_row_mean_column(tensor: torch.Tensor) -> bool:
+    """`tensor` is the weight of a row mean: a linear reading it is this pass's statistic."""
+    return (
+        tensor.dim() == 2
+        and tensor.shape[0] == 1
+        and tensor.is_floating_point()
+        and torch.equal(tensor, row_mean_column(tensor.shape[1], tensor.dtype))
+    )
+
+
+def row_mean_weight(program: ExportedProgram, width: int, dtype: torch.dtype) -> torch.fx.Node:
+    """The row-mean column's placeholder: one per width and dtype, shared by the norms
+    that read it."""
+    value = row_mean_column(width, dtype)
+    stem = f"_etfold_row_mean_{width}_{str(dtype).removeprefix('torch.')}"
+    for name in constant_names(stem, value):
+        held = constant_holding(program, name.replace(".", "_"), value)
+        if held is not None:
+            return held
+    return add_lifted_constant(program, stem, value)
+
+
+def rewrite_as_delegated_ops(match: LayerNormOverLastDim, program: ExportedProgram) -> None:
     """The ops of the module docstring; the layer norm (and its getitems) go."""
     node, x = match.node, match.source
     if match.copied:
         x = _insert(node, aten.clone.default, x, memory_format=torch.contiguous_format)
-    mean = _insert(node, aten.mean.dim, x, [-1], True)
-    centred = _insert(node, aten.sub.Tensor, x, mean)
-    variance = _insert(
-        node, aten.mean.dim, _insert(node, aten.mul.Tensor, centred, centred), [-1], True
-    )
+    if match.width is None:
+
+        def row_mean(rows: torch.fx.Node) -> torch.fx.Node:
+            return _insert(node, aten.mean.dim, rows, [-1], True)
+    else:
+        column = row_mean_weight(program, match.width, node_value(x).dtype)
+
+        def row_mean(rows: torch.fx.Node) -> torch.fx.Node:
+            return _insert(node, aten.linear.default, rows, column)
+
+    centred = _insert(node, aten.sub.Tensor, x, row_mean(x))
+    variance = row_mean(_insert(node, aten.mul.Tensor, centred, centred))
     rstd = _insert(node, aten.rsqrt.default, _insert(node, aten.add.Tensor, variance, match.eps))
     y = _insert(node, aten.mul.Tensor, centred, rstd)
     if match.weight is not None:
@@ -195,13 +255,25 @@ def rewrite_as_delegated_ops(match: LayerNormOverLastDim) -> None:
     node.replace_all_uses_with(y)
     node.graph.erase_node(node)
     affine = "with" if match.weight is not None or match.bias is not None else "without"
+    width = f"{match.width} values" if match.width else "a symbolic width, its means pooled"
     copy = ", its input copied contiguous first" if match.copied else ""
-    record_applied(FOLD, node.name, f"over {node_value(x).shape[-1]} values, {affine} affine{copy}")
+    record_applied(FOLD, node.name, f"over {width}, {affine} affine{copy}")
 
 
-def layer_norms_as_delegated_ops(program: ExportedProgram, *, bf16: bool) -> ExportedProgram:
+def layer_norms_as_delegated_ops(
+    program: ExportedProgram, *, bf16: bool, pooled_means: bool = True
+) -> ExportedProgram:
     """`program`, or a rewritten copy when some layer norm becomes delegated ops.
 
-    `bf16`: whether XNNPACK compiles every op of the rewritten form in bf16 here."""
-    match = functools.partial(match_layer_norm, dtypes=delegated_floats(bf16))
-    return rewrite_matches_on_a_copy(program, match, rewrite_as_delegated_ops, FOLD)
+    `bf16`: whether XNNPACK compiles every op of the rewritten form in bf16 here;
+    `pooled_means`: whether the partitioner takes the pooled means of a symbolic width."""
+    dtypes = delegated_floats(bf16)
+    match = functools.partial(match_layer_norm, dtypes=dtypes, pooled_means=pooled_means)
+    copies = []
+    return rewrite_matches_on_a_copy(
+        program,
+        match,
+        lambda found: rewrite_as_delegated_ops(found, copies[-1]),
+        FOLD,
+        on_copy=copies.append,
+    )

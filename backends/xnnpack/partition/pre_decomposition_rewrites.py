@@ -77,6 +77,7 @@ from etfold.backends.xnnpack._passes.last_dim_unbind_and_stack_transposed_pass i
 )
 from etfold.backends.xnnpack._passes.layer_norm_as_delegated_ops_pass import (
     DELEGATED_TARGETS,
+    POOLED_MEAN_TARGETS,
     layer_norms_as_delegated_ops,
 )
 from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
@@ -346,7 +347,11 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
     ),
     PreDecompositionRewrite(
         "layer_norms_as_delegated_ops",
-        lambda program, inputs: layer_norms_as_delegated_ops(program, bf16=inputs.bf16),
+        lambda program, inputs: layer_norms_as_delegated_ops(
+            program,
+            bf16=inputs.bf16,
+            pooled_means=set(POOLED_MEAN_TARGETS) <= _configs(inputs).keys(),
+        ),
         configs=frozenset(DELEGATED_TARGETS),
         graph_mode_only=True,
         bf16_ops=DELEGATED_TARGETS,
@@ -372,7 +377,10 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         graph_mode_only=True,
         bf16_ops=("mean.dim",),
         after=(
-            ("layer_norms_as_delegated_ops", "writes the layer norms' means as pooling"),
+            (
+                "layer_norms_as_delegated_ops",
+                "writes the means of a norm over a symbolic width as pooling",
+            ),
             (
                 "reductions_over_adjacent_dims_as_pooling",
                 "writes the means over a last block of dims as pooling",

@@ -85,3 +85,22 @@ def test_lowers_a_dynamically_quantized_block_as_upstream_does(dynamic):
     lengths = [inputs[0]] + ([torch.randn(1, 2, 32), torch.randn(1, 24, 32)] if dynamic else [])
     for x in lengths:
         torch.testing.assert_close(ours.run(x), theirs.run(x), atol=1e-5, rtol=0)
+
+
+def test_a_layer_norms_row_means_stay_in_the_general_partitioners_delegate():
+    """The general partitioner writes the norm's row means as GEMVs; taken here one per
+    delegate (as upstream's GEMM configs take fp32 linears), they would cut the norm in
+    three. The linear is this partitioner's; the whole norm is the general one's."""
+    from etfold.backends.xnnpack import XnnpackPartitioner
+    from etfold.exir import to_edge_transform_and_lower
+    from etfold.harness.xnnpack_runner import assert_close, eager_outputs
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16)).eval()
+    x = torch.randn(3, 16)
+    partitioners = [XnnpackDynamicallyQuantizedPartitioner(), XnnpackPartitioner()]
+    program = lower_xnnpack(
+        torch.export.export(model, (x,)), partitioners, lower=to_edge_transform_and_lower
+    )
+    assert program.delegates() == 2 and not program.ops_outside()
+    assert_close(program.run(x), eager_outputs(model, (x,)), atol=1e-5, rtol=1e-5)

@@ -141,11 +141,11 @@ def test_the_partitioners_flags_enable_their_rewrites():
         ),
         (
             "mean.dim",
-            {
-                "layer_norms_as_delegated_ops",
-                "reductions_over_adjacent_dims_as_pooling",
-                "means_over_last_dim_as_pooling",
-            },
+            {"reductions_over_adjacent_dims_as_pooling", "means_over_last_dim_as_pooling"},
+        ),
+        (
+            "linear.default",
+            {"layer_norms_as_delegated_ops", "gemms_with_constant_operands_as_linear"},
         ),
         (
             "slice_copy.Tensor",
@@ -195,10 +195,11 @@ def test_each_rewrite_is_handed_the_table_it_declares_and_its_bf16_setting(dtype
         assert same and has_table == rewrite.reads_table
         assert not bf16 or (dtype is torch.bfloat16 and rewrite.bf16_ops), rewrite.name
     in_bf16 = {name for name, *_, bf16 in seen if bf16}
-    # mul, cat, permute, view, slice, linear, clamp and leaky ReLU run in bf16 on XNNPACK
-    # 1.5.1; mean and sub do not
+    # mul, sub, cat, permute, view, slice, linear, rsqrt, clamp and leaky ReLU run in bf16
+    # on XNNPACK 1.5.1; mean does not
     expected = {
         "gemms_with_constant_operands_as_linear",
+        "layer_norms_as_delegated_ops",
         "wheres_as_leaky_relu_or_clamp",
         "pows_of_small_integers_as_multiplies",
         "expands_as_delegated_ops",
