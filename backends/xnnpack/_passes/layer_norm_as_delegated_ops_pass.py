@@ -24,6 +24,9 @@ a transpose to NHWC and a view back around each mean: 6 more ops a norm, which
 made the delegated norm slower than the portable one with its delegate boundary
 on small rows (a 100 x 32 tied-logits head: 1.04x stock as pooling, 0.91x as
 GEMVs). A GEMV takes any leading dims, symbolic ones included, as rows.
+etfold's XnnpackDynamicallyQuantizedPartitioner leaves these GEMVs to the general
+partitioner (`is_row_mean_column`); upstream's, listed before etfold's, takes every
+fp32 linear one per delegate, these included, and so cuts the norm's delegate.
 
 A norm over a symbolic width has no constant 1/C: its means stay `mean.dim`, which
 `mean_over_last_dim_as_pooling_pass` then writes as pooling, so this pass runs before
