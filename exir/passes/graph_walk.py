@@ -13,6 +13,7 @@ by Python's recursion limit.
 from __future__ import annotations
 
 import hashlib
+import math
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -523,6 +524,52 @@ def sizes_known_equal(a: object, b: object) -> bool:
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
     return bool(statically_known_true(a == b))
+
+
+# at most this many sizes are tried one by one (torch evaluates ~25,000 a second)
+EVERY_SIZE_LIMIT = 40_000
+
+
+def order_at_every_size(a: object, b: object, limit: int = EVERY_SIZE_LIMIT) -> str | None:
+    """ "<=" or ">=" when `a` <= `b` (or `a` >= `b`) for every size the export's bounds
+    allow, two sizes (ints or SymInts); None when neither holds, or when torch cannot
+    prove either and the bounds hold more than `limit` sizes to try one by one."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if statically_known_true(a <= b):
+        return "<="
+    if statically_known_true(a >= b):
+        return ">="
+    differences = _at_every_size(a - b, limit)
+    if differences is None:
+        return None
+    if max(differences) <= 0:
+        return "<="
+    return ">=" if min(differences) >= 0 else None
+
+
+def _at_every_size(size: object, limit: int) -> set[int] | None:
+    """The values `size` takes over every combination of its symbols' bounds, evaluated
+    as torch evaluates size expressions; None past `limit` combinations."""
+    import itertools
+
+    from torch.utils._sympy.interp import sympy_interp
+    from torch.utils._sympy.reference import PythonReferenceAnalysis
+
+    if type(size) is int:
+        return {size}
+    expr, shape_env = size.node.expr, size.node.shape_env
+    symbols = sorted(expr.free_symbols, key=str)
+    ranges = [shape_env.bound_sympy(symbol) for symbol in symbols]
+    if not all(r.lower.is_finite and r.upper.is_finite for r in ranges):
+        return None
+    spans = [range(int(r.lower), int(r.upper) + 1) for r in ranges]
+    if math.prod(len(span) for span in spans) > limit:
+        return None
+    return {
+        int(sympy_interp(PythonReferenceAnalysis, dict(zip(symbols, values, strict=True)), expr))
+        for values in itertools.product(*spans)
+    }
 
 
 def size_bounds(size: object) -> tuple[int, int | float]:

@@ -121,6 +121,9 @@ from etfold.exir.passes.inline_autocast_regions_pass import inline_autocast_regi
 from etfold.exir.passes.own_constants_before_batch_norm_fusion_pass import (
     own_constants_before_batch_norm_fusion,
 )
+from etfold.exir.passes.size_min_max_decided_over_the_bounds_pass import (
+    size_min_max_decided_over_the_bounds,
+)
 
 
 @dataclass(frozen=True)
@@ -437,6 +440,10 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
         lambda program, inputs: number_operands_as_constants(program, inputs.table),
         reads_table=True,
         after=(("mul_scalars_as_tensors", "its mul.Tensor reads a number this lifts"),),
+    ),
+    PreDecompositionRewrite(
+        "size_min_max_decided_over_the_bounds",
+        lambda program, _: size_min_max_decided_over_the_bounds(program),
     ),
 )
 

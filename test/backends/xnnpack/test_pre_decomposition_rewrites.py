@@ -58,6 +58,7 @@ DECLARED = [
     "mul_scalars_as_tensors",
     "scalar_tensors_as_constants",
     "number_operands_as_constants",
+    "size_min_max_decided_over_the_bounds",
 ]
 GRAPH_MODE_ONLY = {
     "gemms_with_constant_operands_as_linear",
