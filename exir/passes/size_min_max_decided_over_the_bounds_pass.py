@@ -18,8 +18,10 @@ the same function of the input's length written two ways (SEW's pooled and
 positional lengths, `(L//20 - 1)//2` and `(L//20 - 3)//2 + 1`), which torch cannot
 prove equal; `graph_walk.order_at_every_size` then tries every allowed length.
 
-Declines, leaving the node (and the verifier's refusal) as it was: an order that
-changes within the bounds, bounds too wide to try one by one, a number operand.
+Declines: an order that changes within the bounds, bounds too wide to try one by
+one, a number operand. A declined op that is read would meet the verifier's bare
+AssertionError deep inside `to_edge`; the pass raises `SizeMinMaxUndecided` instead,
+naming the op, its sizes and their bounds.
 Writing the op as ExecuTorch's prim op instead is not an option: the retrace in
 `to_edge` picks one operand by the example's sizes and keeps no guard, a program
 wrong at every other size.
@@ -33,13 +35,17 @@ import torch
 from torch.export import ExportedProgram
 
 from etfold.decisions import Declined, record_applied
-from etfold.exir.passes.graph_walk import order_at_every_size
+from etfold.exir.passes.graph_walk import order_at_every_size, size_bounds
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 from etfold.exir.passes.node_shapes import node_value
 
 FOLD = "exir.size_min_max_decided_over_the_bounds"
 
 SIZE_MIN_MAX = (torch.sym_min, torch.sym_max)
+
+
+class SizeMinMaxUndecided(ValueError):
+    """A min or max of sizes no rewrite decides, which ExecuTorch 1.5.1 cannot lower."""
 
 
 @dataclass(frozen=True)
@@ -79,5 +85,24 @@ def rewrite_as_operand(match: DecidedMinMax) -> None:
 
 
 def size_min_max_decided_over_the_bounds(program: ExportedProgram) -> ExportedProgram:
-    """`program`, or a copy where each decidable size min / max is its operand."""
-    return rewrite_matches_on_a_copy(program, match_size_min_max, rewrite_as_operand, FOLD)
+    """`program`, or a copy where each decidable size min / max is its operand; raises
+    `SizeMinMaxUndecided` when one that is read is left."""
+    rewritten = rewrite_matches_on_a_copy(program, match_size_min_max, rewrite_as_operand, FOLD)
+    left = [n for n in rewritten.graph.nodes if n.target in SIZE_MIN_MAX and n.users]
+    if left:
+        raise SizeMinMaxUndecided(_undecided(left[0]))
+    return rewritten
+
+
+def _undecided(node: torch.fx.Node) -> str:
+    sizes = []
+    for operand in node.args:
+        value = node_value(operand) if isinstance(operand, torch.fx.Node) else operand
+        low, high = size_bounds(value)
+        sizes.append(f"{value} (in {low}..{high})")
+    return (
+        f"{node.name} = torch.{node.target.__name__}({', '.join(sizes)}): which is "
+        "smaller changes within the export's bounds, and ExecuTorch 1.5.1's Edge verifier "
+        "refuses torch.sym_min / sym_max; bound the dims so one is always the smaller, "
+        "or export the sizes static"
+    )

@@ -28,6 +28,7 @@ from etfold.exir import to_edge_transform_and_lower
 from etfold.exir.passes.graph_walk import order_at_every_size
 from etfold.exir.passes.size_min_max_decided_over_the_bounds_pass import (
     FOLD,
+    SizeMinMaxUndecided,
     size_min_max_decided_over_the_bounds,
 )
 from etfold.harness.xnnpack_runner import assert_close, eager_outputs, lower_xnnpack
@@ -116,14 +117,20 @@ def test_the_op_becomes_its_operand_on_a_copy_and_computes_the_same(longer):
         torch.testing.assert_close(rewritten.module()(*inputs), module(*inputs))
 
 
-def test_an_order_that_changes_within_the_bounds_is_declined_and_left():
+def test_an_order_that_changes_within_the_bounds_is_declined_with_one_clear_error():
     a, b = torch.export.Dim("a", min=2, max=40), torch.export.Dim("b", min=2, max=40)
     inputs = (torch.randn(1, 5), torch.randn(1, 9))
     program = torch.export.export(CutToShorter(), inputs, dynamic_shapes=({1: a}, {1: b}))
-    with collect_decisions() as decisions:
-        assert size_min_max_decided_over_the_bounds(program) is program
+    code = program.graph_module.code
+    with collect_decisions() as decisions, pytest.raises(SizeMinMaxUndecided) as raised:
+        size_min_max_decided_over_the_bounds(program)
+    assert program.graph_module.code == code
     (decision,) = [d for d in decisions if d.fold == FOLD]
     assert not decision.applied and decision.detail.startswith("which size is smaller changes")
+    message = str(raised.value)
+    assert "torch.sym_min(" in message and "(in 2..40)" in message
+    with pytest.raises(SizeMinMaxUndecided):
+        lower_xnnpack(program, [XnnpackPartitioner()], lower=to_edge_transform_and_lower)
 
 
 @settings(max_examples=20, deadline=None)
