@@ -8,7 +8,7 @@
 
 Given:   y = layer_norm(x, [C], w, b, eps)         (or native_layer_norm(...)[0])
                                                    x: [s0, ..., C], float
-Result:  a = full([1, C], 1 / C)                   a constant, shared by equal norms
+Result:  a = full([1, C], 1 / C)                   a constant, one per GEMV
          m = linear(x, a)                          the row means, [s0, ..., 1]
          d = x - m
          v = linear(d * d, a)
@@ -81,7 +81,7 @@ from etfold.backends.xnnpack._passes.mean_over_last_dim_as_pooling_pass import (
     viewable,
 )
 from etfold.decisions import Declined, first_declined, record_applied
-from etfold.exir.passes.graph_walk import add_lifted_constant, constant_holding, constant_names
+from etfold.exir.passes.graph_walk import add_lifted_constant
 from etfold.exir.passes.node_rewrite_driver import rewrite_matches_on_a_copy
 from etfold.exir.passes.node_shapes import argument_values, node_value, rank_of
 
@@ -217,16 +217,13 @@ def is_row_mean_column(tensor: torch.Tensor) -> bool:
     )
 
 
-def row_mean_weight(program: ExportedProgram, width: int, dtype: torch.dtype) -> torch.fx.Node:
-    """The row-mean column's placeholder: one per width and dtype, shared by the norms
-    that read it."""
-    value = row_mean_column(width, dtype)
-    stem = f"_etfold_row_mean_{width}_{str(dtype).removeprefix('torch.')}"
-    for name in constant_names(stem, value):
-        held = constant_holding(program, name.replace(".", "_"), value)
-        if held is not None:
-            return held
-    return add_lifted_constant(program, stem, value)
+def row_mean_weight(
+    program: ExportedProgram, width: int, dtype: torch.dtype, reader: str
+) -> torch.fx.Node:
+    """A new row-mean column for one GEMV (`reader`). Never shared: a constant two
+    delegates read is a weight neither lowered module can own (WavLM's norms fall in
+    different delegates), and a column is C floats."""
+    return add_lifted_constant(program, f"_etfold_{reader}_row_mean", row_mean_column(width, dtype))
 
 
 def rewrite_as_delegated_ops(match: LayerNormOverLastDim, program: ExportedProgram) -> None:
@@ -239,9 +236,10 @@ def rewrite_as_delegated_ops(match: LayerNormOverLastDim, program: ExportedProgr
         def row_mean(rows: torch.fx.Node) -> torch.fx.Node:
             return _insert(node, aten.mean.dim, rows, [-1], True)
     else:
-        column = row_mean_weight(program, match.width, node_value(x).dtype)
+        dtype = node_value(x).dtype
 
         def row_mean(rows: torch.fx.Node) -> torch.fx.Node:
+            column = row_mean_weight(program, match.width, dtype, f"{node.name}_{rows.name}")
             return _insert(node, aten.linear.default, rows, column)
 
     centred = _insert(node, aten.sub.Tensor, x, row_mean(x))

@@ -315,16 +315,18 @@ def test_a_symbolic_width_takes_pooled_means_or_declines_without_their_configs()
     assert reason == "symbolic width: its means need the mean.dim and view_copy configs"
 
 
-def test_norms_of_one_width_share_one_row_mean_constant():
-    """Both norms read the same [1, 16] column of 1/16; the rewrite adds one constant."""
+def test_each_row_mean_reads_a_column_of_its_own():
+    """Two norms, two GEMVs each: four [1, 16] columns of 1/16, none shared, so no
+    constant is read by two delegates (which neither lowered module could own)."""
     program = torch.export.export(NormOfNorm().eval(), _inputs((2, 5, 16)))
     rewritten = layer_norms_as_delegated_ops(program, bf16=False)
     added = set(rewritten.constants) - set(program.constants)
-    assert len(added) == 1
-    (name,) = added
-    assert torch.equal(rewritten.constants[name], torch.full((1, 16), 1 / 16))
+    assert len(added) == 4
+    for name in added:
+        assert torch.equal(rewritten.constants[name], torch.full((1, 16), 1 / 16))
     weights = [n.args[1].target for n in rewritten.graph.nodes if n.target is aten.linear.default]
-    assert sorted(weights) == sorted([name.replace(".", "_")] * 4 + ["p_linear_weight"])
+    expected = [*(name.replace(".", "_") for name in added), "p_linear_weight"]
+    assert sorted(weights) == sorted(expected)
 
 
 def test_declines_when_the_input_is_empty():
@@ -414,3 +416,26 @@ def test_a_dynamic_length_is_rewritten_as_the_static_one_and_matches_eager_at_th
     errors = dynamic_errors(pair)
     assert {axis.low, axis.high} <= set(errors) and len(errors) == 4
     assert max(errors.values()) <= 1e-5, errors
+
+
+class NormsApart(torch.nn.Module):
+    """Two norms of one width with a cumulative sum (no XNNPACK config) between them:
+    each norm lies in its own delegate."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.LayerNorm(16), torch.nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.second(torch.cumsum(self.first(x), dim=1))
+
+
+def test_norms_in_two_delegates_lower_and_match_eager():
+    """Had their GEMVs shared one column, both lowered modules would claim it and
+    `to_executorch` would fail (`... is not a buffer`), as WavLM's dynamic export did."""
+    torch.manual_seed(5)
+    module, inputs = NormsApart().eval(), _inputs((2, 5, 16))
+    program, expected, decisions = _lower(module, inputs)
+    assert [d.applied for d in decisions] == [True, True]
+    assert program.delegates() == 2
+    assert_close(program.run(*inputs), expected, atol=1e-5, rtol=1e-5)
