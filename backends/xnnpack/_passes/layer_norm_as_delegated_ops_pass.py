@@ -30,10 +30,10 @@ fp32 linear one per delegate, these included, and so cuts the norm's delegate.
 
 A norm over a symbolic width has no constant 1/C: its means stay `mean.dim`, which
 `mean_over_last_dim_as_pooling_pass` then writes as pooling, so this pass runs before
-it and declines what that pass would decline (bfloat16, a view that would leave the
-runtime two symbolic sizes to infer). A pooled input that is not contiguous (read
-through a transpose) is first copied contiguous with `clone`, which Edge's
-`permute_copy` makes a no-op.
+it and declines what that pass would decline (a dtype the lowering does not run the
+mean in, a view that would leave the runtime two symbolic sizes to infer). A pooled
+input that is not contiguous (read through a transpose) is first copied contiguous
+with `clone`, which Edge's `permute_copy` makes a no-op.
 
 Precision (max |error| on the executorch 1.5.1 runtime, LayerNorm(1024), weight
 U(0.5, 1.5), bias U(-0.5, 0.5), 4 rows of N(0.5, 1), seed 0; eager's own error
@@ -130,14 +130,15 @@ def over_last_dim_only(node: torch.fx.Node) -> Declined | None:
 
 
 def pooled_means_taken(
-    value: torch.Tensor, pooled_means: bool, dtypes: Collection[torch.dtype]
+    value: torch.Tensor, pooled_means: bool, pooled_dtypes: Collection[torch.dtype]
 ) -> Declined | None:
     """A symbolic width has no constant 1/C: its means are `mean.dim`, which the mean
     pass writes as pooling; this declines what that pass would leave outside."""
     if not pooled_means:
         return Declined("symbolic width: its means need the mean.dim and view_copy configs")
-    if value.dtype not in set(dtypes) - {torch.bfloat16}:
-        return Declined(f"symbolic width in {value.dtype}: XNNPACK 1.5.1 has no bfloat16 mean")
+    declined = dtype_taken(value, pooled_dtypes, "mean over a symbolic width")
+    if declined is not None:
+        return declined
     views = pooling_views(value, keepdim=True)
     return views if isinstance(views, Declined) else None
 
@@ -162,7 +163,10 @@ def affine_in_input_dtype(node: torch.fx.Node, dtype: torch.dtype) -> Declined |
 
 
 def match_layer_norm(
-    node: torch.fx.Node, dtypes: Collection[torch.dtype], pooled_means: bool = True
+    node: torch.fx.Node,
+    dtypes: Collection[torch.dtype],
+    pooled_means: bool = True,
+    pooled_dtypes: Collection[torch.dtype] = delegated_floats(False),
 ) -> LayerNormOverLastDim | Declined | None:
     """The rewrite of `node`, a reason it stays, or None when it is not a layer norm."""
     if node.op != "call_function" or node.target not in LAYER_NORMS:
@@ -185,7 +189,7 @@ def match_layer_norm(
         return declined
     width = _argument(node, 1)[0]
     if type(width) is not int:
-        declined = pooled_means_taken(value, pooled_means, dtypes)
+        declined = pooled_means_taken(value, pooled_means, pooled_dtypes)
         if declined is not None:
             return declined
         width = None
@@ -262,14 +266,19 @@ def rewrite_as_delegated_ops(match: LayerNormOverLastDim, program: ExportedProgr
 
 
 def layer_norms_as_delegated_ops(
-    program: ExportedProgram, *, bf16: bool, pooled_means: bool = True
+    program: ExportedProgram, *, bf16: bool, pooled_means: bool = True, pooled_bf16: bool = False
 ) -> ExportedProgram:
     """`program`, or a rewritten copy when some layer norm becomes delegated ops.
 
     `bf16`: whether XNNPACK compiles every op of the rewritten form in bf16 here;
-    `pooled_means`: whether the partitioner takes the pooled means of a symbolic width."""
-    dtypes = delegated_floats(bf16)
-    match = functools.partial(match_layer_norm, dtypes=dtypes, pooled_means=pooled_means)
+    `pooled_means`: whether the partitioner takes the pooled means of a symbolic width,
+    `pooled_bf16` whether it takes them in bf16."""
+    match = functools.partial(
+        match_layer_norm,
+        dtypes=delegated_floats(bf16),
+        pooled_means=pooled_means,
+        pooled_dtypes=delegated_floats(pooled_bf16),
+    )
     copies = []
     return rewrite_matches_on_a_copy(
         program,

@@ -354,6 +354,7 @@ PRE_DECOMPOSITION_REWRITES: tuple[PreDecompositionRewrite, ...] = (
             program,
             bf16=inputs.bf16,
             pooled_means=set(POOLED_MEAN_TARGETS) <= _configs(inputs).keys(),
+            pooled_bf16=ops_run_in_bf16(POOLED_MEAN_TARGETS, inputs.partitioner, program),
         ),
         configs=frozenset(DELEGATED_TARGETS),
         graph_mode_only=True,
@@ -492,9 +493,13 @@ def run_rewrites(
 
 
 def runs_in_bf16(rewrite: PreDecompositionRewrite, partitioner, program: ExportedProgram) -> bool:
-    """The rewrite's ops run in bf16: bf16 applies to the program it reads, and the
-    lowering enables bf16 for each of its `bf16_ops`."""
+    """The rewrite's ops run in bf16 (`ops_run_in_bf16` of its `bf16_ops`)."""
+    return ops_run_in_bf16(rewrite.bf16_ops, partitioner, program)
+
+
+def ops_run_in_bf16(ops: tuple[str, ...], partitioner, program: ExportedProgram) -> bool:
+    """bf16 applies to the program, and the lowering enables bf16 for each of `ops`."""
     user_bf16 = partitioner._user_enable_bf16
-    if not rewrite.bf16_ops or not bf16_applies(program, user_bf16):
+    if not ops or not bf16_applies(program, user_bf16):
         return False
-    return all(bf16_setting(op, user_bf16) for op in rewrite.bf16_ops)
+    return all(bf16_setting(op, user_bf16) for op in ops)
